@@ -1,0 +1,22 @@
+"""exattn: exact softmax attention without storing the N x N matrix of weights."""
+
+from .algebra import BlockSummary, finalize, merge, merge_states, summarize
+from .attention import attention, explain_backend
+from .backends import BackendChoice
+from .dropout import dropout_mask
+from . import reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendChoice",
+    "BlockSummary",
+    "attention",
+    "dropout_mask",
+    "explain_backend",
+    "finalize",
+    "merge",
+    "merge_states",
+    "reference",
+    "summarize",
+]

@@ -1,0 +1,121 @@
+"""The merge algebra of attention states.
+
+A block of keys, seen from one query row, is summarized by `(m, l, u)`:
+
+    m = max_j s_j,   l = sum_j exp(s_j - m),   u = sum_j exp(s_j - m) v_j
+
+Two summaries merge after both are rescaled to their shared maximum:
+
+    m = max(m_a, m_b)
+    l = l_a exp(m_a - m) + l_b exp(m_b - m)
+    u = u_a exp(m_a - m) + u_b exp(m_b - m)
+
+and `finalize` gives `out = u / l`, `lse = m + log l`. The empty block
+`(-inf, 0, 0)` is the identity. Rescaling always subtracts a *finite* shared
+maximum (0 stands in when both are -inf), so `-inf - (-inf)` never occurs.
+Tiling, split-KV decoding and ring attention all go through these functions.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+class BlockSummary(NamedTuple):
+    """m: (...,) block max score; l: (...,) denominator; u: (..., Dv) numerator."""
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741 - the paper's name
+    u: torch.Tensor
+
+
+def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    """The shared maximum used for rescaling: -inf (an empty block) becomes 0."""
+    return torch.where(m == NEG_INF, torch.zeros_like(m), m)
+
+
+def empty_summary(shape: tuple[int, ...], value_dim: int, dtype, device) -> BlockSummary:
+    """The identity of `merge`: `m = -inf, l = 0, u = 0` for rows of `shape`."""
+    return BlockSummary(
+        m=torch.full(shape, NEG_INF, dtype=dtype, device=device),
+        l=torch.zeros(shape, dtype=dtype, device=device),
+        u=torch.zeros(*shape, value_dim, dtype=dtype, device=device),
+    )
+
+
+def summarize(
+    scores: torch.Tensor, values: torch.Tensor, numerator_weights: torch.Tensor | None = None
+) -> BlockSummary:
+    """Summary of one block of keys.
+
+    scores: (..., n) with -inf for masked keys. values: either one row of
+    values per score row, (..., n, Dv), or values shared by the rows of the
+    second-to-last score axis, as in `scores (B, H, Nq, n)` with
+    `values (B, H, n, Dv)` or `(n, Dv)`.
+    numerator_weights: optional (..., n) factors applied to `u` only, as
+    dropout does (keep / (1 - p)): the denominator stays that of the softmax.
+    Returns m, l of shape (...,) and u of shape (..., Dv), in the scores' dtype.
+    """
+    if scores.shape[-1]:
+        m = scores.amax(dim=-1)
+    else:
+        m = scores.new_full(scores.shape[:-1], NEG_INF)
+    p = torch.exp(scores - finite_or_zero(m).unsqueeze(-1))
+    l = p.sum(dim=-1)  # noqa: E741
+    if numerator_weights is not None:
+        p = p * numerator_weights
+    values = values.to(p.dtype)
+    if values.dim() == scores.dim() + 1:
+        u = torch.matmul(p.unsqueeze(-2), values).squeeze(-2)
+    else:
+        u = torch.matmul(p, values)
+    return BlockSummary(m=m, l=l, u=u)
+
+
+def rescale(s: BlockSummary, new_m: torch.Tensor) -> BlockSummary:
+    """`s` expressed relative to a (larger or equal) maximum `new_m`."""
+    alpha = torch.exp(s.m - finite_or_zero(new_m))
+    return BlockSummary(new_m, s.l * alpha, s.u * alpha.unsqueeze(-1))
+
+
+def merge(a: BlockSummary, b: BlockSummary) -> BlockSummary:
+    """Combine two summaries of disjoint key blocks. Associative and commutative."""
+    m = torch.maximum(a.m, b.m)
+    a, b = rescale(a, m), rescale(b, m)
+    return BlockSummary(m, a.l + b.l, a.u + b.u)
+
+
+def finalize(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out, lse)` = `(u / l, m + log l)`; a row with `l = 0` gives zeros and -inf."""
+    has_mass = s.l != 0  # NaN counts as mass, so NaN propagates
+    safe_l = torch.where(has_mass, s.l, torch.ones_like(s.l))
+    out = torch.where(has_mass.unsqueeze(-1), s.u / safe_l.unsqueeze(-1), torch.zeros_like(s.u))
+    lse = torch.where(has_mass, s.m + torch.log(safe_l), torch.full_like(s.m, NEG_INF))
+    return out, lse
+
+
+def merge_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two normalized states: out (..., Dv), lse (...,) natural log.
+
+        lse = log(exp(lse_a) + exp(lse_b))
+        out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
+
+    Computed in float32 (float64 if either input is float64); `out` comes back
+    in out_a's dtype, `lse` in float32 (float64 for float64 inputs). A state
+    with lse = -inf is the identity.
+    """
+    acc = torch.float64 if torch.float64 in (out_a.dtype, lse_a.dtype) else torch.float32
+    out, lse = finalize(merge(as_summary(out_a, lse_a, acc), as_summary(out_b, lse_b, acc)))
+    return out.to(out_a.dtype), lse
+
+
+def as_summary(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> BlockSummary:
+    """A normalized state as a summary: `(m, l, u) = (lse, 1, out)`; empty if lse = -inf."""
+    lse = lse.to(dtype)
+    return BlockSummary(lse, (lse != NEG_INF).to(dtype), out.to(dtype))

@@ -1,0 +1,84 @@
+"""`exattn.attention`: the public entry point."""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+
+from .backends import BackendChoice, choose_backend, get_backend
+from .problem import AttentionProblem, make_problem
+
+
+def problem_from_args(q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n):
+    return make_problem(
+        q, k, v, causal=causal, window=window, mask=mask, scale=scale,
+        dropout_p=dropout_p, seed=seed, block_m=block_m, block_n=block_n,
+    )
+
+
+@overload
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+    window: tuple[int, int] | None = ..., mask: torch.Tensor | None = ...,
+    scale: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+    return_lse: Literal[False] = ..., backend: str = ...,
+    block_m: int | None = ..., block_n: int | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+    window: tuple[int, int] | None = ..., mask: torch.Tensor | None = ...,
+    scale: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+    return_lse: Literal[True], backend: str = ...,
+    block_m: int | None = ..., block_n: int | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def attention(
+    q, k, v, *, causal=False, window=None, mask=None, scale=None, dropout_p=0.0,
+    seed=None, return_lse=False, backend="auto", block_m=None, block_n=None,
+):
+    """Exact softmax attention without an N x N matrix (except `backend="naive"`).
+
+    Args:
+        q: (B, Hq, Nq, D). k: (B, Hk, Nk, D). v: (B, Hk, Nk, Dv); Hq % Hk == 0,
+            query head h reads K/V head h // (Hq // Hk). Any strides.
+        causal: bottom-right aligned: query i sees key j iff j <= i + Nk - Nq.
+        window: (left, right), each >= 0 or -1 (unbounded): key j is allowed iff
+            i + Nk - Nq - left <= j <= i + Nk - Nq + right. Combines with causal.
+        mask: bool (True = attend) or additive float, broadcastable to (B, Hq, Nq, Nk).
+        scale: score scale, default D ** -0.5.
+        dropout_p: dropout on the normalized weights, in [0, 1).
+        seed: int in [0, 2**63) keying the Philox keep-mask (`exattn.dropout_mask`);
+            None draws one from torch's default generator.
+        return_lse: also return lse (B, Hq, Nq), natural log, float32, -inf
+            for rows with no allowed key (whose output is 0).
+        backend: "auto", "triton", "tiled" or "naive" (see `explain_backend`).
+        block_m, block_n: query and key tile sizes; None lets the backend choose.
+
+    Returns:
+        out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
+    """
+    problem = problem_from_args(q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n)
+    out, lse = run_problem(problem, backend)
+    if not return_lse:
+        return out
+    return out, lse.to(torch.float32)
+
+
+def run_problem(problem: AttentionProblem, backend: str = "auto"):
+    """(out, lse) from the chosen backend; lse may be float64 for float64 inputs."""
+    choice = choose_backend(problem, backend)
+    return get_backend(choice.name).run(problem)
+
+
+def explain_backend(
+    q, k, v, *, causal=False, window=None, mask=None, scale=None, dropout_p=0.0,
+    seed=None, backend="auto", block_m=None, block_n=None,
+) -> BackendChoice:
+    """Which backend `attention` would run for these arguments, and why the others were passed over."""
+    problem = problem_from_args(q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n)
+    return choose_backend(problem, backend)

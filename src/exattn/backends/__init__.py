@@ -1,0 +1,56 @@
+"""Backend registry and the `"auto"` dispatcher.
+
+Each backend has `name`, `not_supported_reasons(problem) -> list[str]` and
+`run(problem) -> (out, lse)`. `"auto"` walks `AUTO_PRIORITY` and takes the
+first backend with no reasons; `choose_backend` says which ran and why.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..problem import AttentionProblem
+from .naive import NaiveBackend
+from .tiled import TiledBackend
+
+BACKEND_NAMES = ("auto", "triton", "tiled", "naive")
+AUTO_PRIORITY = ("triton", "tiled")
+
+
+class BackendChoice(NamedTuple):
+    """The backend that runs, and for every backend passed over, why."""
+
+    name: str
+    rejected: dict[str, list[str]]
+
+
+def get_backend(name: str):
+    if name == "naive":
+        return NaiveBackend()
+    if name == "tiled":
+        return TiledBackend()
+    if name == "triton":
+        from .triton import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+
+
+def check_backend_name(name: object) -> str:
+    if not isinstance(name, str) or name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    return name
+
+
+def choose_backend(problem: AttentionProblem, name: str = "auto") -> BackendChoice:
+    """Resolve `name` for this problem, or raise ValueError listing every reason."""
+    check_backend_name(name)
+    candidates = AUTO_PRIORITY if name == "auto" else (name,)
+    rejected: dict[str, list[str]] = {}
+    for candidate in candidates:
+        reasons = get_backend(candidate).not_supported_reasons(problem)
+        if not reasons:
+            return BackendChoice(candidate, rejected)
+        rejected[candidate] = reasons
+    details = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
+    raise ValueError(f"backend {name!r} cannot serve these inputs ({details})")

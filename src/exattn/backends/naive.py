@@ -1,0 +1,36 @@
+"""The naive backend: the textbook formula in the input dtype, materializing (B, Hq, Nq, Nk).
+
+It is the baseline the error rule compares against: what a user gets by
+writing `softmax(q k^T * scale) v` in their own dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dropout import dropout_mask
+from ..problem import AttentionProblem
+from ..reference import apply_dropout, dense_scores, softmax_rows
+
+
+class NaiveBackend:
+    name = "naive"
+
+    def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
+        return []
+
+    def run(self, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, params = problem.q, problem.k, problem.v, problem.params
+        mask = problem.mask
+        if mask is not None and mask.is_floating_point():
+            mask = mask.to(q.dtype)
+        scores = dense_scores(q, k, params.scale, params.window, mask)
+        keep = None
+        if params.dropout_p > 0:
+            shape = (problem.batch, problem.heads_q, problem.len_q, problem.len_k)
+            keep = dropout_mask(params.seed, shape, params.dropout_p, device=q.device)
+        weights = apply_dropout(softmax_rows(scores), keep, params.dropout_p)
+        group = problem.group
+        out = torch.matmul(weights, v.repeat_interleave(group, dim=1))
+        lse = torch.logsumexp(scores.detach().to(torch.float32), dim=-1)
+        return out, lse

@@ -1,0 +1,233 @@
+"""Validation of the public arguments, done once, into an `AttentionProblem`.
+
+Every entry point (`attention`, `sdpa`, `decode`, ring attention) checks its
+inputs here; backends receive a problem they can trust.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+UNBOUNDED = -1
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """The non-tensor part of a problem: hashable, so kernels and custom ops can key on it.
+
+    `window` is `(left, right)` with causal folded in (`-1` = unbounded).
+    """
+
+    scale: float
+    window: tuple[int, int] = (UNBOUNDED, UNBOUNDED)
+    dropout_p: float = 0.0
+    seed: int = 0
+    block_m: int | None = None
+    block_n: int | None = None
+
+    @property
+    def is_banded(self) -> bool:
+        return self.window != (UNBOUNDED, UNBOUNDED)
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Validated attention inputs.
+
+    q: (B, Hq, Nq, D); k: (B, Hk, Nk, D); v: (B, Hk, Nk, Dv).
+    `mask` is None, or a bool / floating view broadcast to (B, Hq, Nq, Nk).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    params: AttentionParams
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def heads_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def heads_k(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_k
+
+    @property
+    def len_q(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def len_k(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return compute_dtype(self.q.dtype)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_tensor(name: str, x: object, ndim: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}"
+        )
+    if x.dim() != ndim:
+        raise ValueError(
+            f"{name} must have {ndim} dims (batch, heads, seq, dim), got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_same_dtype_device(**tensors: torch.Tensor) -> None:
+    (first_name, first), *rest = tensors.items()
+    for name, x in rest:
+        if x.dtype != first.dtype:
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but {first_name} has {first.dtype}; "
+                "q, k and v must share one dtype"
+            )
+        if x.device != first.device:
+            raise ValueError(
+                f"{name} is on {x.device} but {first_name} is on {first.device}; "
+                "all inputs must be on one device"
+            )
+
+
+def check_qkv(q: object, k: object, v: object) -> None:
+    """Shapes (B, Hq, Nq, D), (B, Hk, Nk, D), (B, Hk, Nk, Dv), Hq % Hk == 0."""
+    q, k, v = check_tensor("q", q, 4), check_tensor("k", k, 4), check_tensor("v", v, 4)
+    check_same_dtype_device(q=q, k=k, v=v)
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"batch sizes differ: q has {q.shape[0]}, k has {k.shape[0]}, v has {v.shape[0]}"
+        )
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}; they must match")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+        )
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v has {v.shape[2]} keys but k has {k.shape[2]}; they must match")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k has head dim {k.shape[3]} but q has {q.shape[3]}; they must match")
+    if q.shape[3] == 0 or v.shape[3] == 0:
+        raise ValueError(f"head dims must be positive, got D={q.shape[3]}, Dv={v.shape[3]}")
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    return float(scale)
+
+
+def check_window(window: object, causal: object) -> tuple[int, int]:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window is None:
+        left, right = UNBOUNDED, UNBOUNDED
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be a pair (left, right), got {window!r}")
+        for side, value in zip(("left", "right"), window):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"window {side} must be an int, got {type(value).__name__}")
+            if value < UNBOUNDED:
+                raise ValueError(f"window {side} must be >= 0 or -1 (unbounded), got {value}")
+        left, right = int(window[0]), int(window[1])
+    if causal:
+        right = 0
+    return left, right
+
+
+def check_mask(mask: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """A bool (True = may attend) or floating additive mask, broadcast to (B, Hq, Nq, Nk)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"mask must be bool (True = attend) or floating (additive), got {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    if mask.requires_grad:
+        raise ValueError(
+            "mask requires grad, but gradients with respect to an additive bias are not "
+            "supported; pass mask.detach()"
+        )
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        return mask.expand(target)
+    except RuntimeError:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to (B, Hq, Nq, Nk) = {target}"
+        ) from None
+
+
+def check_dropout(dropout_p: object, seed: object) -> tuple[float, int]:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if seed is None:
+        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)) if dropout_p > 0 else 0
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    return float(dropout_p), int(seed)
+
+
+def check_block(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int or None, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def make_problem(
+    q, k, v, *, causal=False, window=None, mask=None, scale=None,
+    dropout_p=0.0, seed=None, block_m=None, block_n=None,
+) -> AttentionProblem:
+    check_qkv(q, k, v)
+    left_right = check_window(window, causal)
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    params = AttentionParams(
+        scale=check_scale(scale, q.shape[3]),
+        window=left_right,
+        dropout_p=dropout_p,
+        seed=seed,
+        block_m=check_block("block_m", block_m),
+        block_n=check_block("block_n", block_n),
+    )
+    return AttentionProblem(q=q, k=k, v=v, mask=check_mask(mask, q, k), params=params)
