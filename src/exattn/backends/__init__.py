@@ -1,7 +1,15 @@
 """Backend registry and the `"auto"` dispatcher.
 
 Each backend has `name`, `not_supported_reasons(problem) -> list[str]` and
-`run(problem) -> (out, lse)`. `"auto"` walks `AUTO_PRIORITY` and takes the
+`run(problem) -> (out, lse)` (differentiable in q, k, v). The fused backends
+("tiled", "triton") also expose the raw passes that ring attention and
+decoding reuse, with no autograd:
+
+    forward(q, k, v, mask, params) -> (out, lse)
+    backward(dout, q, k, v, mask, out, lse, params) -> (dq, dk, dv)
+
+`mask` is None or broadcast to (B, Hq, Nq, Nk); `params` is an
+`AttentionParams`; lse is natural log, float32 (float64 for float64 inputs). `"auto"` walks `AUTO_PRIORITY` and takes the
 first backend with no reasons; `choose_backend` says which ran and why.
 """
 

@@ -161,6 +161,8 @@ class TiledBackend:
     """Pure PyTorch tiles; serves every input the contract allows, on any device."""
 
     name = "tiled"
+    forward = staticmethod(tiled_forward)
+    backward = staticmethod(tiled_backward)
 
     def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
         return []
