@@ -3,7 +3,9 @@
 from .algebra import BlockSummary, finalize, merge, merge_states, summarize
 from .attention import attention, explain_backend
 from .backends import BackendChoice
+from .decode import decode
 from .dropout import dropout_mask
+from .sdpa import sdpa
 from . import reference
 
 __version__ = "0.1.0"
@@ -12,11 +14,13 @@ __all__ = [
     "BackendChoice",
     "BlockSummary",
     "attention",
+    "decode",
     "dropout_mask",
     "explain_backend",
     "finalize",
     "merge",
     "merge_states",
     "reference",
+    "sdpa",
     "summarize",
 ]

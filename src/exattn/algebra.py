@@ -60,19 +60,26 @@ def summarize(
     dropout does (keep / (1 - p)): the denominator stays that of the softmax.
     Returns m, l of shape (...,) and u of shape (..., Dv), in the scores' dtype.
     """
+    return summarize_(scores.clone(), values, numerator_weights)
+
+
+def summarize_(
+    scores: torch.Tensor, values: torch.Tensor, numerator_weights: torch.Tensor | None = None
+) -> BlockSummary:
+    """`summarize` that overwrites `scores` with the block's weights (the hot path)."""
     if scores.shape[-1]:
         m = scores.amax(dim=-1)
     else:
         m = scores.new_full(scores.shape[:-1], NEG_INF)
-    p = torch.exp(scores - finite_or_zero(m).unsqueeze(-1))
-    l = p.sum(dim=-1)  # noqa: E741
+    weights = scores.sub_(finite_or_zero(m).unsqueeze(-1)).exp_()
+    l = weights.sum(dim=-1)  # noqa: E741
     if numerator_weights is not None:
-        p = p * numerator_weights
-    values = values.to(p.dtype)
-    if values.dim() == scores.dim() + 1:
-        u = torch.matmul(p.unsqueeze(-2), values).squeeze(-2)
+        weights.mul_(numerator_weights)
+    values = values.to(weights.dtype)
+    if values.dim() == weights.dim() + 1:
+        u = torch.matmul(weights.unsqueeze(-2), values).squeeze(-2)
     else:
-        u = torch.matmul(p, values)
+        u = torch.matmul(weights, values)
     return BlockSummary(m=m, l=l, u=u)
 
 

@@ -78,16 +78,17 @@ def apply_masks(
     window: tuple[int, int],
     mask_tile: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Scores (..., rows, cols) with disallowed pairs at -inf and the bias added.
+    """Set disallowed pairs of `scores` (..., rows, cols) to -inf and add the bias, in place.
 
     `mask_tile` is the user mask sliced to this tile, broadcastable to `scores`.
+    Returns `scores`.
     """
     if mask_tile is not None:
         if mask_tile.dtype == torch.bool:
-            scores = scores.masked_fill(~mask_tile, float("-inf"))
+            scores.masked_fill_(~mask_tile, float("-inf"))
         else:
-            scores = scores + mask_tile.to(scores.dtype)
+            scores.add_(mask_tile)
     band = band_mask(rows, cols, len_q, len_k, window, scores.device)
     if band is not None:
-        scores = scores.masked_fill(~band, float("-inf"))
+        scores.masked_fill_(~band, float("-inf"))
     return scores

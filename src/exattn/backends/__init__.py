@@ -11,6 +11,8 @@ decoding reuse, with no autograd:
 `mask` is None or broadcast to (B, Hq, Nq, Nk); `params` is an
 `AttentionParams`; lse is natural log, float32 (float64 for float64 inputs). `"auto"` walks `AUTO_PRIORITY` and takes the
 first backend with no reasons; `choose_backend` says which ran and why.
+A backend may add `auto_reasons(problem) -> list[str]`: why `"auto"` passes
+it over although it could run when asked by name (triton in the CPU interpreter).
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def choose_backend(problem: AttentionProblem, name: str = "auto") -> BackendChoi
     candidates = AUTO_PRIORITY if name == "auto" else (name,)
     rejected: dict[str, list[str]] = {}
     for candidate in candidates:
-        reasons = get_backend(candidate).not_supported_reasons(problem)
+        backend = get_backend(candidate)
+        reasons = backend.not_supported_reasons(problem)
+        if name == "auto" and hasattr(backend, "auto_reasons"):
+            reasons = reasons + backend.auto_reasons(problem)
         if not reasons:
             return BackendChoice(candidate, rejected)
         rejected[candidate] = reasons

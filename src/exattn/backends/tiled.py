@@ -14,9 +14,11 @@ stacked, so K/V tiles are read once per group (GQA/MQA).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..algebra import BlockSummary, empty_summary, finalize, merge, summarize
+from ..algebra import empty_summary, finalize, merge, summarize_
 from ..dropout import keep_tile
 from ..masks import apply_masks, band_bounds, band_rows
 from ..problem import AttentionParams, AttentionProblem, compute_dtype
@@ -44,30 +46,56 @@ def grouped(x: torch.Tensor, heads_k: int) -> torch.Tensor:
     return x.unflatten(1, (heads_k, x.shape[1] // heads_k))
 
 
+def spans(start: int, stop: int, step: int):
+    for lo in range(start, stop, step):
+        yield range(lo, min(lo + step, stop))
+
+
 class TileContext:
-    """What every tile of one problem needs: shapes, params, masks and dropout."""
+    """What every tile of one problem needs: shapes, params, masks, dropout and buffers.
+
+    A query tile is "stacked": the G query heads that share a K/V head are laid
+    end to end, (B, Hk, G * rows, D), so each score tile is one batched matmul
+    against an unexpanded K/V tile, and the reductions over G come for free.
+    """
 
     def __init__(self, q, k, mask, params: AttentionParams):
         self.params = params
         self.batch, self.heads_q, self.len_q, _ = q.shape
         self.heads_k, self.len_k = k.shape[1], k.shape[2]
+        self.group = self.heads_q // self.heads_k
+        self.block_m, self.block_n = tile_sizes(q, k, params)
         self.mask = None if mask is None else grouped(mask, self.heads_k)
         self.dtype = compute_dtype(q.dtype)
         self.device = q.device
         self.keep_scale = 1.0 / (1.0 - params.dropout_p)
+        # One score buffer reused by every tile: fresh large allocations are slow on the CPU.
+        tile_elements = self.batch * self.heads_q * self.block_m * self.block_n
+        self.buffer = torch.empty(tile_elements, dtype=self.dtype, device=self.device)
+
+    def stack(self, x5: torch.Tensor, rows: range) -> torch.Tensor:
+        """Rows of a (B, Hk, G, N, d) tensor as a stacked (B, Hk, G * rows, d) compute tile."""
+        tile = x5[..., rows.start:rows.stop, :].to(self.dtype)
+        return tile.reshape(self.batch, self.heads_k, self.group * len(rows), x5.shape[-1])
+
+    def unstack(self, x: torch.Tensor, rows: range) -> torch.Tensor:
+        """(B, Hk, G * rows, ...) -> (B, Hk, G, rows, ...), a view."""
+        return x.unflatten(2, (self.group, len(rows)))
 
     def scores(self, q_tile: torch.Tensor, k_tile: torch.Tensor, rows: range, cols: range):
-        """Masked scaled scores (B, Hk, G, rows, cols); q_tile is already scaled."""
-        scores = torch.matmul(q_tile, k_tile.transpose(-1, -2))
+        """Masked scores (B, Hk, G * rows, cols) in the shared buffer; q_tile is pre-scaled."""
+        shape = (self.batch, self.heads_k, q_tile.shape[2], len(cols))
+        scores = self.buffer[: math.prod(shape)].view(shape)
+        torch.matmul(q_tile, k_tile.transpose(-1, -2), out=scores)
         mask_tile = None
         if self.mask is not None:
             mask_tile = self.mask[..., rows.start:rows.stop, cols.start:cols.stop]
-        return apply_masks(
-            scores, rows, cols, self.len_q, self.len_k, self.params.window, mask_tile
-        )
+        apply_masks(self.unstack(scores, rows), rows, cols, self.len_q, self.len_k,
+                    self.params.window, mask_tile)
+        return scores
 
     def dropout_weights(self, rows: range, cols: range) -> torch.Tensor | None:
-        """keep / (1 - p) for the tile, (B, Hk, G, rows, cols), or None without dropout."""
+        """keep / (1 - p) for the tile, stacked (B, Hk, G * rows, cols); None without dropout."""
         if self.params.dropout_p == 0.0:
             return None
         shape = (self.batch, self.heads_q, self.len_q, self.len_k)
@@ -75,67 +103,58 @@ class TileContext:
             self.params.seed, self.params.dropout_p, shape,
             range(self.batch), range(self.heads_q), rows, cols, self.device,
         )
-        return grouped(keep, self.heads_k).to(self.dtype) * self.keep_scale
-
-
-def spans(start: int, stop: int, step: int):
-    for lo in range(start, stop, step):
-        yield range(lo, min(lo + step, stop))
+        weights = keep.to(self.dtype) * self.keep_scale
+        return weights.view(self.batch, self.heads_k, self.group * len(rows), len(cols))
 
 
 def tiled_forward(q, k, v, mask, params: AttentionParams):
     """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) in the compute dtype."""
     ctx = TileContext(q, k, mask, params)
-    block_m, block_n = tile_sizes(q, k, params)
-    q5, k5, v5 = grouped(q, ctx.heads_k), k.unsqueeze(2), v.unsqueeze(2)
+    q5 = grouped(q, ctx.heads_k)
     out = torch.empty(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=ctx.dtype, device=q.device)
     out5, lse5 = grouped(out, ctx.heads_k), grouped(lse, ctx.heads_k)
-    for rows in spans(0, ctx.len_q, block_m):
-        q_tile = q5[..., rows.start:rows.stop, :].to(ctx.dtype) * params.scale
+    for rows in spans(0, ctx.len_q, ctx.block_m):
+        q_tile = ctx.stack(q5, rows) * params.scale
         state = empty_summary(q_tile.shape[:-1], v.shape[3], ctx.dtype, q.device)
-        for cols in spans(*band_bounds(rows, ctx.len_q, ctx.len_k, params.window), block_n):
-            k_tile = k5[..., cols.start:cols.stop, :].to(ctx.dtype)
-            v_tile = v5[..., cols.start:cols.stop, :].to(ctx.dtype)
+        for cols in spans(*band_bounds(rows, ctx.len_q, ctx.len_k, params.window), ctx.block_n):
+            k_tile = k[:, :, cols.start:cols.stop].to(ctx.dtype)
+            v_tile = v[:, :, cols.start:cols.stop].to(ctx.dtype)
             scores = ctx.scores(q_tile, k_tile, rows, cols)
-            tile = summarize(scores, v_tile, ctx.dropout_weights(rows, cols))
-            state = merge(state, tile)
+            state = merge(state, summarize_(scores, v_tile, ctx.dropout_weights(rows, cols)))
         out_tile, lse_tile = finalize(state)
-        out5[..., rows.start:rows.stop, :] = out_tile.to(q.dtype)
-        lse5[..., rows.start:rows.stop] = lse_tile
+        out5[..., rows.start:rows.stop, :] = ctx.unstack(out_tile, rows)
+        lse5[..., rows.start:rows.stop] = ctx.unstack(lse_tile, rows)
     return out, lse
 
 
 def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
     """dq, dk, dv for `tiled_forward`, recomputing score tiles from the saved lse."""
     ctx = TileContext(q, k, mask, params)
-    block_m, block_n = tile_sizes(q, k, params)
-    heads_k = ctx.heads_k
-    q5, do5 = grouped(q, heads_k), grouped(dout, heads_k)
-    delta5 = grouped((dout.to(ctx.dtype) * out.to(ctx.dtype)).sum(-1), heads_k)
+    q5, do5 = grouped(q, ctx.heads_k), grouped(dout, ctx.heads_k)
+    delta5 = grouped((dout.to(ctx.dtype) * out.to(ctx.dtype)).sum(-1, keepdim=True), ctx.heads_k)
     # A row with no allowed key has lse = -inf; +inf makes its P = exp(s - inf) = 0.
-    lse5 = grouped(torch.where(lse == float("-inf"), float("inf"), lse.to(ctx.dtype)), heads_k)
+    lse = torch.where(lse == float("-inf"), float("inf"), lse.to(ctx.dtype))
+    lse5 = grouped(lse.unsqueeze(-1), ctx.heads_k)
     dq5 = torch.zeros(q5.shape, dtype=ctx.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=ctx.dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=ctx.dtype, device=q.device)
-    for cols in spans(0, ctx.len_k, block_n):
-        k_tile = k[:, :, cols.start:cols.stop].unsqueeze(2).to(ctx.dtype)
-        v_tile = v[:, :, cols.start:cols.stop].unsqueeze(2).to(ctx.dtype)
-        for rows in spans(*band_rows(cols, ctx.len_q, ctx.len_k, params.window), block_m):
-            r = slice(rows.start, rows.stop)
-            q_tile = q5[..., r, :].to(ctx.dtype)
-            do_tile = do5[..., r, :].to(ctx.dtype)
-            scores = ctx.scores(q_tile * params.scale, k_tile, rows, cols)
-            probs = torch.exp(scores - lse5[..., r].unsqueeze(-1))
+    for cols in spans(0, ctx.len_k, ctx.block_n):
+        c = slice(cols.start, cols.stop)
+        k_tile, v_tile = k[:, :, c].to(ctx.dtype), v[:, :, c].to(ctx.dtype)
+        for rows in spans(*band_rows(cols, ctx.len_q, ctx.len_k, params.window), ctx.block_m):
+            q_tile, do_tile = ctx.stack(q5, rows), ctx.stack(do5, rows)
+            probs = ctx.scores(q_tile * params.scale, k_tile, rows, cols)
+            probs.sub_(ctx.stack(lse5, rows)).exp_()
             weights = ctx.dropout_weights(rows, cols)
             dropped = probs if weights is None else probs * weights
-            dv[:, :, cols.start:cols.stop] += torch.matmul(dropped.transpose(-1, -2), do_tile).sum(2)
+            dv[:, :, c] += torch.matmul(dropped.transpose(-1, -2), do_tile)
             dprobs = torch.matmul(do_tile, v_tile.transpose(-1, -2))
             if weights is not None:
-                dprobs = dprobs * weights
-            dscores = probs * (dprobs - delta5[..., r].unsqueeze(-1)) * params.scale
-            dq5[..., r, :] += torch.matmul(dscores, k_tile)
-            dk[:, :, cols.start:cols.stop] += torch.matmul(dscores.transpose(-1, -2), q_tile).sum(2)
+                dprobs.mul_(weights)
+            dscores = probs.mul_(dprobs.sub_(ctx.stack(delta5, rows))).mul_(params.scale)
+            dq5[..., rows.start:rows.stop, :] += ctx.unstack(torch.matmul(dscores, k_tile), rows)
+            dk[:, :, c] += torch.matmul(dscores.transpose(-1, -2), q_tile)
     return dq5.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -168,4 +187,7 @@ class TiledBackend:
         return []
 
     def run(self, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor]:
-        return TiledAttention.apply(problem.q, problem.k, problem.v, problem.mask, problem.params)
+        # Through the torch custom op (exattn.ops), so that torch.compile can trace it.
+        from ..ops import tiled_attention
+
+        return tiled_attention(problem.q, problem.k, problem.v, problem.mask, problem.params)

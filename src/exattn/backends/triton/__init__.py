@@ -1,13 +1,130 @@
-"""The Triton backend (fused GPU kernels). Being written under issue 4."""
+"""The Triton backend: fused forward and backward kernels (CUDA, or Triton's CPU interpreter).
+
+`backend="triton"` serves CUDA tensors on sm_80+ GPUs; with TRITON_INTERPRET=1
+set before triton is imported it also serves CPU tensors, through the
+interpreter (slow: for tests). `"auto"` picks it only on a CUDA device.
+
+Raw passes for ring attention and other callers (no autograd):
+`TritonBackend.forward(q, k, v, mask, params) -> (out, lse)` and
+`TritonBackend.backward(dout, q, k, v, mask, out, lse, params) -> (dq, dk, dv)`.
+Non-default knobs (atomic dQ, TMA, warp specialization) live in
+`exattn.backends.triton.settings`; see docs/triton.md.
+"""
 
 from __future__ import annotations
 
+import torch
+
+from ...problem import AttentionParams, AttentionProblem
+from .configs import MAX_HEAD_DIM, interpreting, tile_problems
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_CAPABILITY = (8, 0)
+
+
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def device_reasons(device: torch.device) -> list[str]:
+    if device.type == "cpu":
+        if interpreting():
+            return []
+        return ["inputs are on the CPU (set TRITON_INTERPRET=1 to run the kernels in the interpreter)"]
+    if device.type != "cuda" or torch.version.cuda is None:
+        return [f"device {device} is not a CUDA device"]
+    if interpreting():
+        return []
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return [f"GPU compute capability {capability} is below {MIN_CAPABILITY}"]
+    return []
+
+
+def problem_reasons(problem: AttentionProblem) -> list[str]:
+    """Every reason the kernels cannot serve this problem (empty if they can)."""
+    if not triton_importable():
+        return ["triton is not installed"]
+    q = problem.q
+    reasons = device_reasons(q.device)
+    if q.dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {q.dtype} is not supported (float16, bfloat16, float32)")
+    for name, dim in (("head dim D", problem.head_dim), ("value dim Dv", problem.value_dim)):
+        if dim > MAX_HEAD_DIM:
+            reasons.append(f"{name}={dim} exceeds {MAX_HEAD_DIM}")
+    params = problem.params
+    reasons += tile_problems(params.block_m, params.block_n)
+    if problem.mask is not None and problem.mask.device != q.device:
+        reasons.append(f"mask is on {problem.mask.device}, not {q.device}")
+    return reasons
+
+
+class TritonAttention(torch.autograd.Function):
+    """Autograd wrapper: saves q, k, v, out, lse (and the seed, in params); no N x N tensor."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, params: AttentionParams):
+        from .passes import triton_forward
+
+        out, lse = triton_forward(q, k, v, mask, params)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.params = mask, params
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        from .passes import triton_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = triton_backward(dout, q, k, v, ctx.mask, out, lse, ctx.params)
+        return dq, dk, dv, None, None
+
+
+def triton_forward(q, k, v, mask, params: AttentionParams):
+    """Raw forward pass: out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32 natural log."""
+    from .passes import triton_forward as run
+
+    return run(q, k, v, mask, params)
+
+
+def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
+    """Raw backward pass: dq, dk, dv for `triton_forward`."""
+    from .passes import triton_backward as run
+
+    return run(dout, q, k, v, mask, out, lse, params)
+
 
 class TritonBackend:
+    """Fused Triton kernels; deterministic by default."""
+
     name = "triton"
+    forward = staticmethod(triton_forward)
+    backward = staticmethod(triton_backward)
 
-    def not_supported_reasons(self, problem) -> list[str]:
-        return ["the Triton kernels are not part of this build yet"]
+    def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
+        return problem_reasons(problem)
 
-    def run(self, problem):
-        raise ValueError("backend 'triton' cannot serve these inputs: " + self.not_supported_reasons(problem)[0])
+    def auto_reasons(self, problem: AttentionProblem) -> list[str]:
+        """Extra reasons `"auto"` passes this backend over: the interpreter is for tests only."""
+        if problem.q.device.type != "cuda":
+            return [f"auto uses triton only on CUDA devices, inputs are on {problem.q.device.type}"]
+        return []
+
+    def run(self, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor]:
+        reasons = self.not_supported_reasons(problem)
+        if reasons:
+            raise ValueError(f"backend 'triton' cannot serve these inputs: {'; '.join(reasons)}")
+        return TritonAttention.apply(problem.q, problem.k, problem.v, problem.mask, problem.params)
+
+
+def __getattr__(name: str):
+    if name == "settings":
+        from .passes import settings
+
+        return settings
+    raise AttributeError(name)

@@ -1,0 +1,52 @@
+"""Helpers shared by the benchmarks: FLOP counts, timing, environment."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def attention_flops(batch, heads, len_q, len_k, head_dim, causal=False, backward=False):
+    """4·B·H·Nq·Nk·D for the forward, halved for causal, ×2.5 for the backward."""
+    flops = 4 * batch * heads * len_q * len_k * head_dim
+    if causal:
+        flops /= 2
+    return flops * 2.5 if backward else flops
+
+
+def median_seconds(fn, warmup=1, repeats=5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def environment() -> dict:
+    import exattn
+
+    return {
+        "torch": torch.__version__,
+        "exattn": exattn.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def write_json(name: str, payload) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

@@ -1,0 +1,71 @@
+"""Tiled attention throughput on the CPU against torch SDPA's CPU kernel, same run.
+
+    python benchmarks/cpu_speed.py [--seq-len 4096] [--heads 8] [--head-dim 64]
+
+Goal (issue 2): tiled forward >= 0.8x SDPA at N=4096, D=64, fp32.
+Writes benchmarks/results/cpu-speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import exattn
+from common import attention_flops, environment, median_seconds, write_json
+
+
+def implementations(block_m, block_n):
+    def sdpa(q, k, v, causal):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def tiled(q, k, v, causal):
+        return exattn.attention(q, k, v, causal=causal, backend="tiled", block_m=block_m, block_n=block_n)
+
+    return {"torch-sdpa-cpu": sdpa, "exattn-tiled": tiled}
+
+
+def time_pass(fn, q, k, v, causal, backward, repeats):
+    if not backward:
+        with torch.no_grad():
+            return median_seconds(lambda: fn(q, k, v, causal), repeats=repeats)
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    dout = torch.randn_like(q)
+    return median_seconds(lambda: fn(q, k, v, causal).backward(dout), repeats=repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block-m", type=int, default=None)
+    parser.add_argument("--block-n", type=int, default=None)
+    args = parser.parse_args()
+    b, h, n, d = args.batch, args.heads, args.seq_len, args.head_dim
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
+    rows = []
+    for causal in (False, True):
+        for backward in (False, True):
+            flops = attention_flops(b, h, n, n, d, causal) * (3.5 if backward else 1)
+            row = {"causal": causal, "pass": "fwd+bwd" if backward else "fwd"}
+            for name, fn in implementations(args.block_m, args.block_n).items():
+                seconds = time_pass(fn, q, k, v, causal, backward, args.repeats)
+                row[name] = {"seconds": seconds, "gflops": flops / seconds / 1e9}
+            row["ratio_tiled_to_sdpa"] = row["exattn-tiled"]["gflops"] / row["torch-sdpa-cpu"]["gflops"]
+            rows.append(row)
+            print(f"causal={causal!s:5} {row['pass']:7}  sdpa {row['torch-sdpa-cpu']['gflops']:6.1f} GFLOP/s"
+                  f"  tiled {row['exattn-tiled']['gflops']:6.1f} GFLOP/s  ratio {row['ratio_tiled_to_sdpa']:.2f}")
+    write_json("cpu-speed.json", {
+        "shape_bhnd": (b, h, n, d), "dtype": "float32", "device": "cpu",
+        "flops": "4*B*H*N^2*D forward (halved for causal); fwd+bwd counts 3.5x forward",
+        "environment": environment(), "rows": rows,
+    })
+
+
+if __name__ == "__main__":
+    main()

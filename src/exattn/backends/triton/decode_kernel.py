@@ -1,0 +1,222 @@
+"""Triton kernels for split-KV decoding over contiguous or paged KV caches.
+
+Two passes (flash-decoding):
+
+1. `decode_split_kernel`, grid (B * Hk, num_splits, row blocks). A program
+   streams one split of one sequence's keys for one K/V head and carries the
+   online-softmax state (m, l, acc) of the G * Nq query rows of that head's
+   group (G = Hq // Hk), so each K/V byte is read once. It writes the split's
+   normalized partial output (fp32) and lse (natural log). An empty split
+   (a sequence shorter than the split grid) writes 0 and -inf.
+2. `decode_combine_kernel`, grid (B * Hq * Nq,), merges the splits of a row
+   with the rule of `exattn.algebra.merge_states`, each split read as the
+   summary (m, l, u) = (lse_s, 1, out_s):
+
+       m = max_s lse_s  (-inf stands in as 0),   w_s = exp(lse_s - m)
+       out = sum_s w_s out_s / sum_s w_s,        lse = m + log sum_s w_s
+
+   and a row whose splits are all empty gives out 0, lse -inf.
+
+With one split the first pass writes the final output directly.
+
+Split rule, per sequence of length L: `chunk = ceil(ceil(L / S) / BLOCK_N) * BLOCK_N`,
+split s covers keys [s * chunk, min((s + 1) * chunk, L)). Row r of a group is
+query head `hk * G + r // Nq`, token `t = r % Nq`; it sees keys j <= L - Nq + t.
+Paged caches: key j of sequence b is row `j % PAGE_SIZE` of page
+`block_table[b, j // PAGE_SIZE]`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+MAX_ROWS = 64  # query rows (G * Nq) one program carries; more rows add row blocks
+
+
+class DecodeConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(rows: int, head_dim: int, value_dim: int) -> DecodeConfig:
+    """Tile sizes for G * Nq = `rows` query rows per K/V head."""
+    block_m = min(MAX_ROWS, max(16, triton.next_power_of_2(rows)))
+    widest = max(triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim))
+    block_n = 64 if widest <= 128 else 32
+    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _key_location(n0, b, hi, BT, stride_tb, stride_tp,
+                  BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(base, within) of keys n0 .. n0 + BLOCK_N: the key's address is
+    base * stride_batch_or_page + within * stride_seq."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    if PAGED:
+        row = BT + b.to(tl.int64) * stride_tb
+        if PAGE_SIZE % BLOCK_N == 0:
+            base = tl.load(row + (n0 // PAGE_SIZE) * stride_tp).to(tl.int64)
+        else:
+            pages = tl.load(row + (offs // PAGE_SIZE) * stride_tp, mask=offs < hi, other=0)
+            base = pages.to(tl.int64)
+        within = (offs % PAGE_SIZE).to(tl.int64)
+    else:
+        base = b.to(tl.int64)
+        within = offs.to(tl.int64)
+    return base, within
+
+
+@triton.jit
+def decode_split_kernel(
+    Q, K, V, SEQLENS, BT, OUT, LSE,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_tb, stride_tp,
+    heads_k, group, len_q, num_splits, head_dim, value_dim, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // heads_k
+    hk = pid % heads_k
+    length = tl.load(SEQLENS + b)
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, length)
+
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < group * len_q
+    head = hk * group + rows // len_q
+    token = rows % len_q
+    last_key = length - len_q + token
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = (Q + b.to(tl.int64) * stride_qb + head[:, None].to(tl.int64) * stride_qh
+              + token[:, None] * stride_qt + d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (d[None, :] < head_dim), other=0.0)
+    k_head = K + hk.to(tl.int64) * stride_kh
+    v_head = V + hk.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs < hi
+        base, within = _key_location(n0, b, hi, BT, stride_tb, stride_tp, BLOCK_N, PAGED, PAGE_SIZE)
+        k_rows = base * stride_kb + within * stride_kn
+        k = tl.load(k_head + k_rows[:, None] + d[None, :] * stride_kd,
+                    mask=key_ok[:, None] & (d[None, :] < head_dim), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        s = tl.where(offs[None, :] <= last_key[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_rows = base * stride_vb + within * stride_vn
+        v = tl.load(v_head + v_rows[:, None] + dv[None, :] * stride_vd,
+                    mask=key_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    has_mass = l_i != 0.0
+    safe_l = tl.where(has_mass, l_i, 1.0)
+    out = tl.where(has_mass[:, None], acc / safe_l[:, None], 0.0)
+    lse = tl.where(has_mass, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
+    out_row = ((b * heads_k * group + head).to(tl.int64) * len_q + token) * num_splits + split
+    tl.store(OUT + out_row[:, None] * value_dim + dv[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & (dv[None, :] < value_dim))
+    tl.store(LSE + out_row, lse, mask=row_ok)
+
+
+@triton.jit
+def decode_combine_kernel(OUT_PART, LSE_PART, OUT, LSE, num_splits, value_dim,
+                          BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    first = row * num_splits
+    m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        part_lse = tl.load(LSE_PART + first + s0 + s, mask=s0 + s < num_splits, other=float("-inf"))
+        m_vec = tl.maximum(m_vec, part_lse)
+    m = tl.max(m_vec, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    weight_sum = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        ok = s0 + s < num_splits
+        part_lse = tl.load(LSE_PART + first + s0 + s, mask=ok, other=float("-inf"))
+        w = tl.exp(part_lse - m_safe)
+        part = tl.load(OUT_PART + (first + s0 + s)[:, None] * value_dim + dv[None, :],
+                       mask=ok[:, None] & (dv[None, :] < value_dim), other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+        weight_sum += w
+    total = tl.sum(weight_sum, 0)
+    has_mass = total != 0.0
+    safe_total = tl.where(has_mass, total, 1.0)
+    out = tl.where(has_mass, acc / safe_total, 0.0)
+    lse = tl.where(has_mass, m_safe + tl.log(safe_total), float("-inf"))
+    tl.store(OUT + row * value_dim + dv, out.to(OUT.dtype.element_ty), mask=dv < value_dim)
+    tl.store(LSE + row, lse)
+
+
+def max_useful_splits(capacity: int, config: DecodeConfig) -> int:
+    """Splits beyond one per key block are always empty."""
+    return max(1, min(triton.cdiv(capacity, config.block_n), 65535))
+
+
+def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits, config=None):
+    """Raw split-KV decode on trusted inputs; no autograd, no host sync.
+
+    q: (B, Hq, Nq, D). Contiguous caches (B, Hk, Nmax, D|Dv) with block_table None,
+    or paged caches (num_pages, Hk, page_size, D|Dv) with block_table int32 (B, max_pages).
+    seqlens: int32 (B,), each in [Nq, capacity]. num_splits >= 1.
+    Returns out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32.
+    """
+    batch, heads_q, len_q, head_dim = q.shape
+    heads_k, value_dim = k_cache.shape[1], v_cache.shape[3]
+    group = heads_q // heads_k
+    config = config or default_config(group * len_q, head_dim, value_dim)
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    num_splits = min(num_splits, max_useful_splits(capacity, config))
+    out = torch.empty(batch, heads_q, len_q, value_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        part_out, part_lse = out, lse
+    else:
+        part_out = torch.empty(batch, heads_q, len_q, num_splits, value_dim,
+                               dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, heads_q, len_q, num_splits, dtype=torch.float32, device=q.device)
+    table = block_table if paged else seqlens
+    table_strides = block_table.stride() if paged else (0, 0)
+    grid = (batch * heads_k, num_splits, triton.cdiv(group * len_q, config.block_m))
+    decode_split_kernel[grid](
+        q, k_cache, v_cache, seqlens, table, part_out, part_lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *table_strides,
+        heads_k, group, len_q, num_splits, head_dim, value_dim, scale * LOG2E,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+        PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        decode_combine_kernel[(batch * heads_q * len_q,)](
+            part_out, part_lse, out, lse, num_splits, value_dim,
+            BLOCK_S=16, BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), num_warps=4,
+        )
+    return out, lse

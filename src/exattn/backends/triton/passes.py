@@ -1,0 +1,191 @@
+"""Host side of the Triton kernels: the raw forward and backward passes (no autograd).
+
+    triton_forward(q, k, v, mask, params) -> (out, lse)
+    triton_backward(dout, q, k, v, mask, out, lse, params) -> (dq, dk, dv)
+
+Inputs may have any strides (they are passed to the kernels, never copied);
+`mask` is None or a view broadcast to (B, Hq, Nq, Nk), zero strides allowed.
+lse is natural log, float32, (B, Hq, Nq). Grids are one-dimensional
+(tiles x batch x heads), far inside CUDA's 2**31 - 1 limit on that axis.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ...problem import UNBOUNDED, AttentionParams
+from .backward_kernel import attention_delta_kernel, attention_dkdv_kernel, attention_dq_kernel
+from .configs import TileConfig, choose_config, interpreting, padded_dim, tma_compatible
+from .forward_kernel import attention_forward_kernel
+
+LOG2E = 1.4426950408889634
+MAX_GRID = 2**31 - 1
+
+
+@dataclass
+class TritonSettings:
+    """Non-default knobs of the Triton backend (module-level, see `settings`).
+
+    atomic_dq: the dK/dV kernel also accumulates dQ with float32 atomics and
+        the dQ kernel is skipped: fewer FLOPs, but gradients are no longer
+        bitwise reproducible. Env: EXATTN_TRITON_ATOMIC_DQ=1.
+    use_tma: load tiles through TMA tensor descriptors where the strides allow
+        (Hopper and newer, and the interpreter). Env: EXATTN_TRITON_TMA=0 turns it off.
+    warp_specialize: forward with one masked loop and compiler warp
+        specialization (Hopper, 4 warps). Env: EXATTN_TRITON_WARP_SPECIALIZE=1.
+    """
+
+    atomic_dq: bool = os.environ.get("EXATTN_TRITON_ATOMIC_DQ", "0") == "1"
+    use_tma: bool = os.environ.get("EXATTN_TRITON_TMA", "1") == "1"
+    warp_specialize: bool = os.environ.get("EXATTN_TRITON_WARP_SPECIALIZE", "0") == "1"
+
+
+settings = TritonSettings()
+
+
+def ensure_allocator() -> None:
+    """Device-side TMA descriptors need scratch memory; triton's allocator is per thread."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(
+            lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
+        )
+
+
+def can_use_tma(*tensors: torch.Tensor) -> bool:
+    if not settings.use_tma or not tma_compatible(*tensors):
+        return False
+    if interpreting():
+        return True
+    if tensors[0].device.type != "cuda" or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    ensure_allocator()
+    return True
+
+
+def mask_arguments(mask: torch.Tensor | None, fallback: torch.Tensor):
+    """(kind, tensor, strides): kind 0 = none, 1 = bool (True = attend), 2 = additive."""
+    if mask is None:
+        return 0, fallback, (0, 0, 0, 0)
+    return (1 if mask.dtype == torch.bool else 2), mask, mask.stride()
+
+
+def kernel_flags(q: torch.Tensor, params: AttentionParams) -> dict:
+    """Constexpr switches shared by every kernel of one problem."""
+    left, right = params.window
+    return dict(
+        HAS_LEFT=left != UNBOUNDED,
+        HAS_RIGHT=right != UNBOUNDED,
+        DROPOUT=params.dropout_p > 0.0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def scalar_args(params: AttentionParams) -> dict:
+    left, right = params.window
+    return dict(
+        scale_log2=params.scale * LOG2E, left=max(left, 0), right=max(right, 0),
+        dropout_p=params.dropout_p, keep_scale=1.0 / (1.0 - params.dropout_p), seed=params.seed,
+    )
+
+
+def config_for(kind: str, q, v, params: AttentionParams) -> TileConfig:
+    causal = params.window[1] == 0 and params.window[0] == UNBOUNDED
+    cfg = choose_config(
+        kind, (q.shape[3], v.shape[3]), q.dtype, causal, interpreting(), params.block_m, params.block_n
+    )
+    if cfg is None:
+        raise ValueError(f"tiles too large for shared memory: block_m={params.block_m}, block_n={params.block_n}")
+    return cfg
+
+
+def heavy_first(params: AttentionParams) -> bool:
+    """Causal rows further down see more keys: start them first."""
+    left, right = params.window
+    return left == UNBOUNDED and right != UNBOUNDED
+
+
+def grid_of(tiles: int, heads: int) -> tuple[int]:
+    size = tiles * heads
+    if size > MAX_GRID:
+        raise ValueError(f"too many tiles for one launch: {size} > {MAX_GRID}")
+    return (size,)
+
+
+def triton_forward(q, k, v, mask, params: AttentionParams):
+    """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32, natural log."""
+    batch, heads_q, len_q, dim = q.shape
+    heads_k, len_k, dim_v = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty(batch, heads_q, len_q, dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or len_k == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    cfg = config_for("forward", q, v, params)
+    mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
+    flags = kernel_flags(q, params)
+    use_ws = settings.warp_specialize and cfg.num_warps == 4 and not interpreting()
+    num_tiles = triton.cdiv(len_q, cfg.block_m)
+    attention_forward_kernel[grid_of(num_tiles, batch * heads_q)](
+        q, k, v, out, lse, mask_arg, q.stride(), k.stride(), v.stride(), out.stride(), mask_strides,
+        heads_q, heads_q // heads_k, len_q, len_k, num_tiles, **scalar_args(params),
+        D=dim, DV=dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v), MASK_KIND=mask_kind,
+        USE_TMA=can_use_tma(q, k, v), HEAVY_FIRST=heavy_first(params),
+        WARP_SPECIALIZE=use_ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+    )
+    return out, lse
+
+
+def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
+    """dq, dk, dv (in q, k, v's dtypes) for `triton_forward`, recomputing tiles from lse."""
+    batch, heads_q, len_q, dim = q.shape
+    heads_k, len_k, dim_v = k.shape[1], k.shape[2], v.shape[3]
+    if 0 in (batch, heads_q, len_q, len_k):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    lse = lse.to(torch.float32).contiguous()
+    delta = torch.empty_like(lse)
+    row_tiles = triton.cdiv(len_q, 64)
+    attention_delta_kernel[grid_of(row_tiles, batch * heads_q)](
+        out, dout, delta, out.stride(), dout.stride(), heads_q, len_q, row_tiles,
+        DV=dim_v, BLOCK_M=64, BLOCK_DV=padded_dim(dim_v), num_warps=4,
+    )
+    mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
+    flags = kernel_flags(q, params)
+    scalars = dict(scalar_args(params), scale=params.scale)
+    use_tma = can_use_tma(q, k, v, dout)
+    dims = dict(D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v))
+    group = heads_q // heads_k
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    atomic = settings.atomic_dq
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
+
+    cfg = config_for("dkdv", q, v, params)
+    col_tiles = triton.cdiv(len_k, cfg.block_n)
+    attention_dkdv_kernel[grid_of(col_tiles, batch * heads_k)](
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg,
+        q.stride(), k.stride(), v.stride(), dout.stride(), dk.stride(), dv.stride(),
+        dq_acc.stride(), mask_strides, heads_q, group, len_q, len_k, col_tiles, **scalars,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
+        ATOMIC_DQ=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dims, **flags,
+    )
+    if atomic:
+        return (dq_acc * params.scale).to(q.dtype), dk, dv
+
+    cfg = config_for("dq", q, v, params)
+    row_tiles = triton.cdiv(len_q, cfg.block_m)
+    attention_dq_kernel[grid_of(row_tiles, batch * heads_q)](
+        q, k, v, dout, lse, delta, dq, mask_arg,
+        q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride(), mask_strides,
+        heads_q, group, len_q, len_k, row_tiles, **scalars,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
+        HEAVY_FIRST=heavy_first(params), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dims, **flags,
+    )
+    return dq, dk, dv

@@ -1,0 +1,125 @@
+"""What one score tile may see, inside a kernel: the mirror of `exattn.masks` and `exattn.dropout`.
+
+Scores are kept in base 2 (`s2 = q.k * scale * log2(e)`, bias * log2(e)), so
+the kernels use `exp2`; every lse that leaves a kernel is natural log.
+
+`tile_segments` splits the tiles of the other axis that the band allows into
+three runs: `[lo, full_lo)` and `[full_hi, hi)` need element masks (band
+edges, the diagonal, a ragged tail), `[full_lo, full_hi)` are entirely
+allowed and run without any per-element test. Rows and columns may be laid
+out either way round: every helper takes broadcastable `rows`/`cols`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def cdiv(a, b: tl.constexpr):
+    return (a + b - 1) // b
+
+
+@triton.jit
+def tile_segments(
+    start, stop, len_a, len_b, before, after,
+    BLOCK: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr,
+):
+    """Tiles of axis b (length len_b, tiles of BLOCK) that items [start, stop) of axis a may see.
+
+    Item i of a sees j of b iff i + off - before <= j <= i + off + after with
+    off = len_b - len_a (`before`/`after` unbounded unless HAS_*). For query rows
+    against keys pass (len_q, len_k, left, right); for key columns against query
+    rows pass (len_k, len_q, right, left). Returns tile indices
+    lo <= full_lo <= full_hi <= hi; tiles in [full_lo, full_hi) are allowed for
+    every pair and lie inside len_b.
+    """
+    off = len_b - len_a
+    last = stop - 1
+    lo_item = 0
+    hi_item = len_b
+    full_lo = 0
+    full_hi = len_b // BLOCK
+    if HAS_BEFORE:
+        lo_item = tl.maximum(start + off - before, 0)
+        full_lo = cdiv(tl.maximum(last + off - before, 0), BLOCK)
+    if HAS_AFTER:
+        hi_item = tl.minimum(last + off + after + 1, len_b)
+        full_hi = tl.minimum(full_hi, tl.maximum(start + off + after + 1, 0) // BLOCK)
+    hi_item = tl.maximum(hi_item, 0)
+    lo_item = tl.minimum(lo_item, hi_item)
+    lo = lo_item // BLOCK
+    hi = cdiv(hi_item, BLOCK)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def band_allows(rows, cols, len_q, len_k, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Bool tile: key `cols` exists and lies in the band of query `rows` (broadcastable)."""
+    allowed = cols < len_k
+    diag = rows + (len_k - len_q)
+    if HAS_LEFT:
+        allowed = allowed & (cols >= diag - left)
+    if HAS_RIGHT:
+        allowed = allowed & (cols <= diag + right)
+    return allowed
+
+
+@triton.jit
+def masked_scores(
+    s2, rows, cols, len_q, len_k, left, right, mask_base, mask_strides,
+    CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+):
+    """Base-2 scores with the user mask (1 = bool, 2 = additive bias) and, if CHECK_BAND, the band applied.
+
+    mask_base points at the (b, h) slice of the (B, Hq, Nq, Nk) mask view;
+    mask_strides are its (row, col) strides (0 for broadcast axes).
+    """
+    if MASK_KIND != 0:
+        inside = (rows < len_q) & (cols < len_k)
+        ptrs = mask_base + rows.to(tl.int64) * mask_strides[0] + cols.to(tl.int64) * mask_strides[1]
+        if MASK_KIND == 1:
+            keep = tl.load(ptrs, mask=inside, other=0)
+            s2 = tl.where(keep != 0, s2, float("-inf"))
+        else:
+            bias = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+            s2 = s2 + bias * LOG2E
+    if CHECK_BAND:
+        s2 = tl.where(band_allows(rows, cols, len_q, len_k, left, right, HAS_LEFT, HAS_RIGHT), s2, float("-inf"))
+    return s2
+
+
+@triton.jit
+def dropout_keep(seed, dropout_p, row_base, rows, cols, len_k):
+    """Keep-mask `tl.rand(seed, ((b*Hq + h)*Nq + i)*Nk + j) >= p`; row_base = (b*Hq + h)*Nq (int64)."""
+    offset = (row_base + rows.to(tl.int64)) * len_k + cols.to(tl.int64)
+    return tl.rand(seed, offset) >= dropout_p
+
+
+@triton.jit
+def load_tile(
+    ptrs, rows, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+):
+    """Load a (rows, cols) tile; zero outside n_rows (if CHECK_ROWS) and outside N_COLS (padded dims)."""
+    if CHECK_ROWS:
+        if N_COLS == BLOCK_COLS:
+            return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS), other=0.0)
+    else:
+        if N_COLS == BLOCK_COLS:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=cols[None, :] < N_COLS, other=0.0)
+
+
+@triton.jit
+def store_tile(ptrs, value, rows, n_rows, cols, N_COLS: tl.constexpr):
+    """Store a (rows, cols) tile, cast to the destination's dtype, inside n_rows x N_COLS."""
+    tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS))

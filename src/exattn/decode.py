@@ -1,0 +1,385 @@
+"""`exattn.decode`: attention of a few new tokens over a KV cache, split over the keys.
+
+The key range of each sequence is cut into `num_splits` parts; each part is
+summarized on its own and the partial states are merged with the merge
+algebra (`exattn.algebra.merge_states`). The new tokens are the last Nq of
+the `L = cache_seqlens[b]` valid keys; for Nq = 3, L = 6 (`x` = allowed):
+
+    key   0 1 2 3 4 5
+    t0    x x x x . .        query t sees keys j <= L - Nq + t
+    t1    x x x x x .
+    t2    x x x x x x
+
+Backends: "triton" (the split and combine kernels of
+`backends/triton/decode_kernel.py`, CUDA), "tiled" (`tiled_forward` per split,
+any device), "auto" (triton on CUDA, else tiled).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal, overload
+
+import torch
+
+from .algebra import merge_states
+from .backends.tiled import tiled_forward
+from .problem import AttentionParams, check_same_dtype_device, check_scale, check_tensor, compute_dtype
+
+DECODE_BACKENDS = ("auto", "triton", "tiled")
+MAX_TRITON_HEAD_DIM = 256
+MIN_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """Validated decode inputs.
+
+    q: (B, Hq, Nq, D). Contiguous: k_cache (B, Hk, Nmax, D), v_cache (B, Hk, Nmax, Dv),
+    block_table None. Paged: k_cache (num_pages, Hk, page_size, D), v_cache
+    (num_pages, Hk, page_size, Dv), block_table int32 (B, max_pages).
+    seqlens: int32 (B,) on q's device.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    seqlens: torch.Tensor
+    block_table: torch.Tensor | None
+    scale: float
+    num_splits: int
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[2] if self.paged else 1
+
+    @property
+    def capacity(self) -> int:
+        """Keys a sequence can hold: Nmax, or max_pages * page_size."""
+        if self.paged:
+            return self.block_table.shape[1] * self.k_cache.shape[2]
+        return self.k_cache.shape[2]
+
+
+# ---------------------------------------------------------------- validation
+
+def check_int_tensor(name: str, x: object, shape: tuple[int | None, ...], q: torch.Tensor) -> torch.Tensor:
+    """An int32 tensor on q's device whose shape matches `shape` (None = any size)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {x.dtype}")
+    if x.dim() != len(shape) or any(n is not None and n != m for n, m in zip(shape, x.shape)):
+        expected = tuple("any" if n is None else n for n in shape)
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(x.shape)}")
+    if x.device != q.device:
+        raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must be on one device")
+    return x
+
+
+def check_cache_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool) -> None:
+    batch, heads_q, _, head_dim = q.shape
+    lead = "num_pages" if paged else "batch"
+    if not paged and k.shape[0] != batch:
+        raise ValueError(f"k_cache has batch {k.shape[0]} but q has {batch}; they must match")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v_cache has {lead} {v.shape[0]} but k_cache has {k.shape[0]}; they must match")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v_cache has {v.shape[1]} heads but k_cache has {k.shape[1]}; they must match")
+    if k.shape[1] == 0 or heads_q % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({heads_q}) must be a multiple of k_cache heads ({k.shape[1]})"
+        )
+    if v.shape[2] != k.shape[2]:
+        what = "page size" if paged else "length"
+        raise ValueError(f"v_cache has {what} {v.shape[2]} but k_cache has {k.shape[2]}; they must match")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k_cache has head dim {k.shape[3]} but q has {head_dim}; they must match")
+    if head_dim == 0 or v.shape[3] == 0:
+        raise ValueError(f"head dims must be positive, got D={head_dim}, Dv={v.shape[3]}")
+    if paged and k.shape[2] == 0:
+        raise ValueError("k_cache page size must be positive, got 0")
+
+
+def check_num_splits(num_splits: object) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0 picks a number), got {num_splits}")
+    return num_splits
+
+
+def check_lengths(problem: DecodeProblem) -> None:
+    """The checks that read device values (one host sync): lengths and used pages."""
+    lens, len_q, capacity = problem.seqlens, problem.q.shape[2], problem.capacity
+    stats = [lens.min(), lens.max()]
+    if problem.paged:
+        used = used_pages(problem)
+        table = problem.block_table
+        stats += [torch.where(used, table, 0).min(), torch.where(used, table, 0).max()]
+    low, high, *pages = torch.stack(stats).tolist()
+    if low < len_q:
+        b = int(torch.nonzero(lens < len_q)[0])
+        raise ValueError(
+            f"cache_seqlens[{b}] = {int(lens[b])} is below Nq = {len_q}: the new tokens "
+            "are the last Nq keys of each sequence, so every length must be >= Nq"
+        )
+    if high > capacity:
+        b = int(torch.nonzero(lens > capacity)[0])
+        holds = (f"the pages block_table names hold {problem.block_table.shape[1]} x "
+                 f"{problem.page_size} = {capacity} keys" if problem.paged
+                 else f"k_cache holds {capacity} keys per sequence")
+        raise ValueError(f"cache_seqlens[{b}] = {int(lens[b])} is beyond the cache: {holds}")
+    if pages and (pages[0] < 0 or pages[1] >= problem.k_cache.shape[0]):
+        bad = used_pages(problem) & ((problem.block_table < 0) | (problem.block_table >= problem.k_cache.shape[0]))
+        b, p = (int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"block_table[{b}, {p}] = {int(problem.block_table[b, p])} is not a page of k_cache "
+            f"(expected 0 <= page < num_pages = {problem.k_cache.shape[0]})"
+        )
+
+
+def used_pages(problem: DecodeProblem) -> torch.Tensor:
+    """Bool (B, max_pages): page slot p of sequence b holds some of its keys."""
+    slots = torch.arange(problem.block_table.shape[1], device=problem.q.device)
+    return slots[None, :] * problem.page_size < problem.seqlens[:, None]
+
+
+def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate) -> DecodeProblem:
+    q = check_tensor("q", q, 4)
+    k_cache, v_cache = check_tensor("k_cache", k_cache, 4), check_tensor("v_cache", v_cache, 4)
+    check_same_dtype_device(q=q, k_cache=k_cache, v_cache=v_cache)
+    batch, len_q = q.shape[0], q.shape[2]
+    if len_q == 0:
+        raise ValueError("q must hold at least one new token (Nq >= 1), got Nq = 0")
+    paged = block_table is not None
+    if paged:
+        check_int_tensor("block_table", block_table, (batch, None), q)
+    check_cache_shapes(q, k_cache, v_cache, paged)
+    capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    if cache_seqlens is None:
+        if capacity < len_q:
+            raise ValueError(f"the cache holds {capacity} keys per sequence, fewer than Nq = {len_q}")
+        cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    check_int_tensor("cache_seqlens", cache_seqlens, (batch,), q)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    problem = DecodeProblem(
+        q=q, k_cache=k_cache, v_cache=v_cache, seqlens=cache_seqlens, block_table=block_table,
+        scale=check_scale(scale, q.shape[3]), num_splits=check_num_splits(num_splits),
+    )
+    if validate:
+        check_lengths(problem)
+    return problem
+
+
+# ---------------------------------------------------------------- planning
+
+def plan_splits(
+    batch: int, heads_k: int, max_seqlen: int, num_sms: int, *, row_blocks: int = 1,
+    block_n: int = 64, programs_per_sm: int = 2, min_blocks_per_split: int = 4,
+    max_splits: int = 128,
+) -> int:
+    """How many key splits one decode launch should use. Pure function.
+
+    `batch * heads_k * row_blocks` programs exist without splitting; the GPU
+    runs `num_sms * programs_per_sm` at once (a wave), and if they fill one
+    wave already, the plan is 1. Otherwise, with
+    `waves(s) = programs * s / slots`, a split count's efficiency is
+    `waves / ceil(waves)` (1.0 = whole waves, no idle SMs at the tail). The plan
+    is the smallest s whose efficiency is within 5% of the best, among the s
+    that leave each split at least `min_blocks_per_split` key blocks of `block_n`.
+    """
+    for name, value in (("batch", batch), ("heads_k", heads_k), ("max_seqlen", max_seqlen),
+                        ("num_sms", num_sms), ("row_blocks", row_blocks)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    programs = batch * heads_k * row_blocks
+    slots = num_sms * programs_per_sm
+    if programs >= slots:
+        return 1
+    key_blocks = math.ceil(max_seqlen / block_n)
+    most = max(1, min(max_splits, key_blocks // min_blocks_per_split))
+
+    def efficiency(splits: int) -> float:
+        waves = programs * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if efficiency(s) >= 0.95 * best)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_chunk(longest: int, num_splits: int, align: int) -> int:
+    """Keys per split: ceil(longest / num_splits), rounded up to a multiple of `align`."""
+    chunk = math.ceil(longest / num_splits)
+    return math.ceil(chunk / align) * align
+
+
+# ---------------------------------------------------------------- backends
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_reasons(problem: DecodeProblem) -> list[str]:
+    """Why the Triton decode kernel cannot serve this problem (empty: it can)."""
+    q, reasons = problem.q, []
+    if not (q.is_cuda or interpreting()):
+        reasons.append(f"q is on {q.device}; the Triton kernels need a CUDA device "
+                       "(or TRITON_INTERPRET=1 for the interpreter)")
+    elif q.is_cuda and torch.cuda.get_device_capability(q.device) < MIN_CAPABILITY:
+        reasons.append(f"GPU compute capability {torch.cuda.get_device_capability(q.device)} "
+                       f"is below {MIN_CAPABILITY}")
+    if q.dtype == torch.float64:
+        reasons.append("float64 inputs compute on the tiled backend")
+    widest = max(q.shape[3], problem.v_cache.shape[3])
+    if widest > MAX_TRITON_HEAD_DIM:
+        reasons.append(f"head dim {widest} > {MAX_TRITON_HEAD_DIM}")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        reasons.append("triton is not installed")
+    return reasons
+
+
+def choose_decode_backend(problem: DecodeProblem, backend: object) -> str:
+    if not isinstance(backend, str) or backend not in DECODE_BACKENDS:
+        raise ValueError(f"backend must be one of {DECODE_BACKENDS}, got {backend!r}")
+    if backend == "tiled":
+        return "tiled"
+    reasons = triton_reasons(problem)
+    if backend == "triton" and reasons:
+        raise ValueError(f"backend 'triton' cannot serve these inputs: {'; '.join(reasons)}")
+    if backend == "auto" and (reasons or not problem.q.is_cuda):
+        return "tiled"
+    return "triton"
+
+
+def run_triton(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    from .backends.triton import decode_kernel
+
+    q = problem.q
+    num_splits = problem.num_splits
+    if num_splits == 0:
+        rows = (q.shape[1] // problem.k_cache.shape[1]) * q.shape[2]
+        config = decode_kernel.default_config(rows, q.shape[3], problem.v_cache.shape[3])
+        num_sms = multiprocessor_count(q.device.index or 0) if q.is_cuda else 1
+        num_splits = plan_splits(
+            q.shape[0], problem.k_cache.shape[1], problem.capacity, num_sms,
+            row_blocks=math.ceil(rows / config.block_m), block_n=config.block_n,
+        )
+    return decode_kernel.decode_forward(
+        q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table,
+        problem.scale, num_splits,
+    )
+
+
+def split_keys(problem: DecodeProblem, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [lo, hi) of every sequence, (B, Hk, hi - lo, D|Dv).
+
+    Paged: `lo` is a multiple of the page size; slots past a sequence's length
+    read page 0 (those keys are masked out)."""
+    if not problem.paged:
+        return problem.k_cache[:, :, lo:hi], problem.v_cache[:, :, lo:hi]
+    size = problem.page_size
+    slots = slice(lo // size, math.ceil(hi / size))
+    pages = torch.where(used_pages(problem)[:, slots], problem.block_table[:, slots], 0).long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        return cache[pages].transpose(1, 2).flatten(2, 3)[:, :, : hi - lo]
+
+    return gather(problem.k_cache), gather(problem.v_cache)
+
+
+def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tiled_forward` on each split (a bool mask carries the lengths and the
+    causal rule), merged with `merge_states` in the compute dtype. Syncs once
+    to read the longest length."""
+    q, lens = problem.q, problem.seqlens
+    batch, heads_q, len_q, _ = q.shape
+    longest = int(lens.max())
+    chunk = split_chunk(longest, max(1, problem.num_splits), problem.page_size)
+    params = AttentionParams(scale=problem.scale)
+    q_acc = q.to(compute_dtype(q.dtype))
+    token = torch.arange(len_q, device=q.device)
+    state = None
+    for lo in range(0, longest, chunk):
+        hi = min(lo + chunk, longest)
+        k, v = split_keys(problem, lo, hi)
+        key = torch.arange(lo, hi, device=q.device)
+        last_key = lens[:, None, None, None] - len_q + token[None, None, :, None]
+        allowed = key <= last_key  # (B, 1, Nq, n)
+        v = v.masked_fill((key >= lens[:, None])[:, None, :, None], 0)  # stale slots may hold NaN
+        part = tiled_forward(q_acc, k, v, allowed.expand(batch, heads_q, len_q, hi - lo), params)
+        state = part if state is None else merge_states(*state, *part)
+    out, lse = state
+    return out.to(q.dtype), lse
+
+
+# ---------------------------------------------------------------- public entry point
+
+@overload
+def decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+    cache_seqlens: torch.Tensor | None = ..., block_table: torch.Tensor | None = ...,
+    scale: float | None = ..., num_splits: int = ..., return_lse: Literal[False] = ...,
+    backend: str = ..., validate: bool = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+    cache_seqlens: torch.Tensor | None = ..., block_table: torch.Tensor | None = ...,
+    scale: float | None = ..., num_splits: int = ..., return_lse: Literal[True],
+    backend: str = ..., validate: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def decode(
+    q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, scale=None,
+    num_splits=0, return_lse=False, backend="auto", validate=True,
+):
+    """Attention of Nq new tokens over a KV cache (split-KV, exact).
+
+    Args:
+        q: (B, Hq, Nq, D), the new tokens' queries (Nq >= 1, typically 1).
+        k_cache, v_cache: contiguous (B, Hk, Nmax, D) and (B, Hk, Nmax, Dv), or
+            paged (num_pages, Hk, page_size, D) and (num_pages, Hk, page_size, Dv)
+            when `block_table` is given. Hq % Hk == 0. Any strides.
+        cache_seqlens: int32 (B,), valid keys per sequence (default: the whole
+            cache). The new tokens are the last Nq of them: query t sees keys
+            j <= cache_seqlens[b] - Nq + t.
+        block_table: int32 (B, max_pages), sequence b's pages in order.
+        scale: score scale, default D ** -0.5.
+        num_splits: cut each sequence's keys into this many parts, summarized
+            independently and merged exactly; 0 lets the backend choose.
+        return_lse: also return lse (B, Hq, Nq), natural log, float32.
+        backend: "auto" (triton on CUDA, else tiled), "triton" or "tiled".
+        validate: check the lengths against Nq and the cache, and the used
+            pages, which syncs with the device; False skips it (CUDA graphs,
+            the hot decode loop), and then out-of-range lengths are undefined.
+
+    Returns:
+        out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
+    """
+    problem = make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate)
+    if choose_decode_backend(problem, backend) == "triton":
+        out, lse = run_triton(problem)
+    else:
+        out, lse = run_tiled(problem)
+    if not return_lse:
+        return out
+    return out, lse.to(torch.float32)

@@ -1,0 +1,281 @@
+"""exattn.decode on the tiled path and the Triton kernels (interpreter on CPU, compiled on CUDA).
+
+Every result is judged against `attention(q, k[:, :, :len], v[:, :, :len], causal=True)`
+with the shared error rule, per sequence. Cache slots past a sequence's length
+(and pages no sequence uses) hold NaN, so reading one would show.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads
+
+import exattn
+from exattn.decode import choose_decode_backend, make_decode_problem, plan_splits
+from exattn.reference import attention_ref
+from error_rule import assert_matches_oracle
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ("tiled", "triton")
+DTYPES = (torch.float32, torch.float16)
+
+
+def make_case(batch, heads_q, heads_k, len_q, capacity, head_dim, dtype, seed=0, value_dim=None,
+              logit_scale=1.0, lengths=None):
+    """Random q and contiguous caches (stale slots NaN), with random ragged lengths in [Nq, capacity]."""
+    g = torch.Generator().manual_seed(seed)
+    value_dim = value_dim or head_dim
+    q = torch.randn(batch, heads_q, len_q, head_dim, generator=g, dtype=torch.float64) * logit_scale
+    k = torch.randn(batch, heads_k, capacity, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, heads_k, capacity, value_dim, generator=g, dtype=torch.float64)
+    if lengths is None:
+        lengths = torch.randint(len_q, capacity + 1, (batch,), generator=g)
+        lengths[0] = capacity
+    lens = torch.as_tensor(lengths, dtype=torch.int32)
+    for b, length in enumerate(lens.tolist()):
+        k[b, :, length:] = float("nan")
+        v[b, :, length:] = float("nan")
+    to = dict(dtype=dtype, device=DEVICE)
+    return q.to(**to), k.to(**to), v.to(**to), lens.to(DEVICE)
+
+
+def paged(k, v, lens, page_size, seed=0):
+    """The same caches as shuffled pages: (num_pages, Hk, page_size, D) and block_table (B, max_pages).
+
+    Page slots no sequence uses hold -7 (must never be read); spare pages hold NaN."""
+    batch, heads_k, capacity, _ = k.shape
+    max_pages = -(-capacity // page_size)
+    num_pages = batch * max_pages + 3
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed + 1))
+    k_pages = torch.full((num_pages, heads_k, page_size, k.shape[3]), float("nan"), dtype=k.dtype, device=k.device)
+    v_pages = torch.full((num_pages, heads_k, page_size, v.shape[3]), float("nan"), dtype=v.dtype, device=v.device)
+    table = torch.full((batch, max_pages), -7, dtype=torch.int32)
+    for b, length in enumerate(lens.tolist()):
+        for slot in range(-(-length // page_size)):
+            page = int(order[b * max_pages + slot])
+            table[b, slot] = page
+            keys = slice(slot * page_size, min((slot + 1) * page_size, capacity))
+            n = keys.stop - keys.start
+            k_pages[page, :, :n] = k[b, :, keys]
+            v_pages[page, :, :n] = v[b, :, keys]
+    return k_pages, v_pages, table.to(k.device)
+
+
+def assert_matches_attention(name, out, lse, q, k, v, lens):
+    """Per sequence: ours vs the float64 oracle, relative to naive attention in q's dtype."""
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.shape == q.shape[:3] + (v.shape[3],) and lse.shape == q.shape[:3]
+    for b, length in enumerate(lens.tolist()):
+        args = (q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length])
+        ref_out, ref_lse = attention_ref(*args, causal=True, return_lse=True)
+        naive_out, naive_lse = exattn.attention(*args, causal=True, backend="naive", return_lse=True)
+        assert_matches_oracle(f"{name} out[{b}]", out[b:b + 1], naive_out, ref_out, q.dtype)
+        assert_matches_oracle(f"{name} lse[{b}]", lse[b:b + 1], naive_lse, ref_lse, q.dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ragged_lengths_match_attention(backend, dtype):
+    q, k, v, lens = make_case(3, 4, 2, 3, 150, 40, dtype, seed=1)
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True, backend=backend)
+    assert_matches_attention(backend, out, lse, q, k, v, lens)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_num_splits_agrees(backend):
+    q, k, v, lens = make_case(3, 4, 1, 2, 300, 24, torch.float32, seed=2, lengths=[300, 7, 130])
+    results = []
+    for num_splits in (1, 2, 3, 5, 64):
+        out, lse = exattn.decode(q, k, v, cache_seqlens=lens, num_splits=num_splits,
+                                 return_lse=True, backend=backend)
+        assert_matches_attention(f"{backend} splits={num_splits}", out, lse, q, k, v, lens)
+        results.append(out)
+    for out in results[1:]:
+        torch.testing.assert_close(out, results[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_n", (16, 32))
+def test_kernel_many_and_empty_splits(block_n):
+    """Small key blocks give many real splits; the short sequences leave most of them empty."""
+    from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward
+
+    q, k, v, lens = make_case(3, 2, 2, 1, 200, 16, torch.float16, seed=3, lengths=[200, 1, 37])
+    config = DecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2)
+    for num_splits in (1, 4, 64):
+        out, lse = decode_forward(q, k, v, lens, None, 0.25, num_splits, config)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert_matches_attention(f"splits={num_splits}", out, lse, q, k, v, lens)  # scale 0.25 = 16 ** -0.5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_size", (16, 24, 64))
+def test_paged_equals_contiguous(backend, page_size):
+    q, k, v, lens = make_case(3, 4, 2, 2, 130, 32, torch.float16, seed=4)
+    k_pages, v_pages, table = paged(k, v, lens, page_size)
+    for num_splits in (1, 3):
+        kwargs = dict(cache_seqlens=lens, num_splits=num_splits, return_lse=True, backend=backend)
+        out, lse = exattn.decode(q, k_pages, v_pages, block_table=table, **kwargs)
+        assert_matches_attention(f"paged {page_size}", out, lse, q, k, v, lens)
+        flat_out, flat_lse = exattn.decode(q, k, v, **kwargs)
+        torch.testing.assert_close(out, flat_out, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(lse, flat_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads", ((4, 4), (8, 1)), ids=("mha", "mqa"))
+@pytest.mark.parametrize("len_q", (1, 5, 16))
+def test_new_token_counts_and_groups(backend, heads, len_q):
+    """Nq from 1 to 16; with MQA 8 x 16 = 128 query rows span two row blocks of the kernel."""
+    heads_q, heads_k = heads
+    q, k, v, lens = make_case(2, heads_q, heads_k, len_q, 90, 16, torch.float32, seed=5 + len_q)
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, num_splits=2, return_lse=True, backend=backend)
+    assert_matches_attention(f"Nq={len_q}", out, lse, q, k, v, lens)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs_value_dim_and_huge_logits(backend):
+    q, k, v, lens = make_case(2, 6, 3, 2, 70, 24, torch.float32, seed=6, value_dim=40, logit_scale=30.0)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, Nq, Hq, D) memory
+    big_k = torch.full((2, 3, 90, 48), float("nan"), device=DEVICE)
+    big_k[:, :, 5:75, 3:27] = k
+    k_view = big_k[:, :, 5:75, 3:27]
+    out, lse = exattn.decode(q_t, k_view, v, cache_seqlens=lens, num_splits=2, return_lse=True,
+                             backend=backend)
+    assert_matches_attention("strided", out, lse, q, k, v, lens)
+
+
+def test_float64_tiled_and_defaults():
+    q, k, v, lens = make_case(2, 2, 1, 3, 40, 8, torch.float64, seed=7, lengths=[40, 40])
+    out, lse = exattn.decode(q, k, v, return_lse=True)  # whole cache, auto, splits chosen
+    assert_matches_attention("float64", out, lse, q, k, v, lens)
+    assert isinstance(exattn.decode(q, k, v, num_splits=3), torch.Tensor)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_validate_false_gives_the_same(backend):
+    q, k, v, lens = make_case(2, 2, 2, 1, 50, 16, torch.float16, seed=8)
+    k_pages, v_pages, table = paged(k, v, lens, 16)
+    kwargs = dict(cache_seqlens=lens, block_table=table, num_splits=2, backend=backend)
+    checked = exattn.decode(q, k_pages, v_pages, **kwargs)
+    unchecked = exattn.decode(q, k_pages, v_pages, validate=False, **kwargs)
+    assert torch.equal(checked, unchecked)
+
+
+def test_auto_picks_triton_only_on_cuda():
+    q, k, v, lens = make_case(1, 2, 2, 1, 8, 8, torch.float32)
+    problem = make_decode_problem(q, k, v, lens, None, None, 0, True)
+    assert choose_decode_backend(problem, "auto") == ("triton" if q.is_cuda else "tiled")
+    assert choose_decode_backend(problem, "tiled") == "tiled"
+    problem64 = make_decode_problem(q.double(), k.double(), v.double(), lens, None, None, 0, True)
+    assert choose_decode_backend(problem64, "auto") == "tiled"
+    with pytest.raises(ValueError, match="float64"):
+        choose_decode_backend(problem64, "triton")
+
+
+# ---------------------------------------------------------------- the split heuristic
+
+def test_plan_splits_fills_the_gpu_only_when_needed():
+    h200 = dict(num_sms=132)
+    assert plan_splits(64, 8, 131072, **h200) == 1  # 512 programs already fill 132 SMs
+    assert plan_splits(1, 8, 131072, **h200) >= 16  # one sequence: splitting keeps the GPU busy
+    few = plan_splits(8, 8, 131072, **h200)
+    assert 2 <= few <= 8
+    assert plan_splits(1, 8, 100, **h200) == 1  # 2 key blocks: nothing worth splitting
+    assert plan_splits(1, 1, 10**6, num_sms=1, programs_per_sm=1) == 1  # one slot: splits buy nothing
+
+
+@pytest.mark.parametrize("batch", (1, 2, 3, 8, 20, 33, 64, 200))
+@pytest.mark.parametrize("seqlen", (1, 63, 1000, 32768, 131072))
+def test_plan_splits_bounds(batch, seqlen):
+    programs, slots = batch * 8, 132 * 2
+    most = max(1, min(128, -(-seqlen // 64) // 4))  # each split keeps >= 4 key blocks of 64
+    splits = plan_splits(batch, 8, seqlen, 132, block_n=64, programs_per_sm=2,
+                         min_blocks_per_split=4, max_splits=128)
+    assert 1 <= splits <= most
+    if programs >= slots:
+        assert splits == 1  # the machine is already full
+    elif splits < most:
+        assert programs * splits >= 0.85 * slots  # split until the machine is (nearly) full
+
+
+def test_plan_splits_rejects_nonsense():
+    with pytest.raises(ValueError, match="max_seqlen"):
+        plan_splits(1, 8, 0, 132)
+    with pytest.raises(ValueError, match="num_sms"):
+        plan_splits(1, 8, 10, 0)
+
+
+# ---------------------------------------------------------------- errors
+
+def error_case(**overrides):
+    q, k, v, lens = make_case(2, 4, 2, 3, 32, 8, torch.float32)
+    args = dict(q=q, k_cache=k, v_cache=v, cache_seqlens=lens)
+    args.update(overrides)
+    return args
+
+
+def call(args, **kwargs):
+    args = dict(args)
+    return exattn.decode(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args, **kwargs)
+
+
+@pytest.mark.parametrize("overrides, error, pattern", [
+    (dict(cache_seqlens=torch.tensor([32, 2], dtype=torch.int32)), ValueError, r"cache_seqlens\[1\] = 2 is below Nq = 3"),
+    (dict(cache_seqlens=torch.tensor([33, 5], dtype=torch.int32)), ValueError, r"cache_seqlens\[0\] = 33 is beyond the cache"),
+    (dict(cache_seqlens=torch.tensor([5, 5])), TypeError, "cache_seqlens must have dtype torch.int32, got torch.int64"),
+    (dict(cache_seqlens=[5, 5]), TypeError, "cache_seqlens must be an int32 torch.Tensor"),
+    (dict(cache_seqlens=torch.tensor([5, 5, 5], dtype=torch.int32)), ValueError, r"cache_seqlens must have shape \(2,\)"),
+    (dict(k_cache=torch.randn(3, 2, 32, 8)), ValueError, "k_cache has batch 3 but q has 2"),
+    (dict(k_cache=torch.randn(2, 3, 32, 8), v_cache=torch.randn(2, 3, 32, 8)), ValueError, "multiple of k_cache heads"),
+    (dict(v_cache=torch.randn(2, 2, 31, 8)), ValueError, "v_cache has length 31 but k_cache has 32"),
+    (dict(k_cache=torch.randn(2, 2, 32, 9)), ValueError, "k_cache has head dim 9 but q has 8"),
+    (dict(v_cache=torch.randn(2, 2, 32, 8, dtype=torch.float16)), TypeError, "v_cache has dtype"),
+    (dict(k_cache=torch.randn(2, 32, 8)), ValueError, "k_cache must have 4 dims"),
+    (dict(q=torch.randn(2, 4, 0, 8)), ValueError, "Nq >= 1"),
+    (dict(q=torch.randint(0, 3, (2, 4, 3, 8))), TypeError, "q must be float16"),
+])
+def test_contiguous_errors(overrides, error, pattern):
+    args = error_case(**{key: (val.to(DEVICE) if isinstance(val, torch.Tensor) else val)
+                         for key, val in overrides.items()})
+    with pytest.raises(error, match=pattern):
+        call(args)
+
+
+def test_paged_errors():
+    q, k, v, lens = make_case(2, 4, 2, 3, 32, 8, torch.float32)
+    k_pages, v_pages, table = paged(k, v, lens, 16)
+    args = dict(q=q, k_cache=k_pages, v_cache=v_pages, cache_seqlens=lens)
+    with pytest.raises(ValueError, match=r"beyond the cache: the pages block_table names hold 1 x 16 = 16"):
+        call(args, block_table=table[:, :1].contiguous())
+    bad = table.clone()
+    bad[1, 0] = k_pages.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = \d+ is not a page of k_cache"):
+        call(args, block_table=bad)
+    with pytest.raises(TypeError, match="block_table must have dtype torch.int32"):
+        call(args, block_table=table.long())
+    with pytest.raises(ValueError, match=r"block_table must have shape \(2, 'any'\)"):
+        call(args, block_table=table[:1])
+    with pytest.raises(ValueError, match="v_cache has page size 8 but k_cache has 16"):
+        call(dict(args, v_cache=v_pages[:, :, :8]), block_table=table)
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
+    (dict(num_splits=2.0), TypeError, "num_splits must be an int"),
+    (dict(backend="naive"), ValueError, "backend must be one of"),
+    (dict(scale="big"), TypeError, "scale must be a float"),
+    (dict(validate=1), TypeError, "validate must be a bool"),
+])
+def test_argument_errors(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call(error_case(), **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_triton_refuses_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend 'triton' cannot serve these inputs: q is on cpu"):
+        call(error_case(), backend="triton")

@@ -1,0 +1,78 @@
+"""Every bad input is refused with a message naming the argument, the value and what is expected."""
+
+import pytest
+import torch
+
+import exattn
+from exattn.reference import attention_ref
+
+
+def qkv(b=1, hq=2, hk=1, nq=4, nk=6, d=8, dv=8, dtype=torch.float32):
+    return (torch.randn(b, hq, nq, d, dtype=dtype), torch.randn(b, hk, nk, d, dtype=dtype),
+            torch.randn(b, hk, nk, dv, dtype=dtype))
+
+
+CASES = [
+    ("q not a tensor", lambda q, k, v: (q.tolist(), k, v, {}), TypeError, "q must be a torch.Tensor"),
+    ("integer tensors", lambda q, k, v: (q.long(), k, v, {}), TypeError, "q must be float16"),
+    ("wrong rank", lambda q, k, v: (q[0], k, v, {}), ValueError, "q must have 4 dims"),
+    ("mixed dtypes", lambda q, k, v: (q, k.double(), v, {}), TypeError, "k has dtype torch.float64"),
+    ("batch mismatch", lambda q, k, v: (q, k.expand(2, -1, -1, -1), v, {}), ValueError, "batch sizes differ"),
+    ("heads not divisible", lambda q, k, v: (q[:, :1].expand(1, 3, -1, -1), k.expand(-1, 2, -1, -1),
+                                             v.expand(-1, 2, -1, -1), {}), ValueError, "multiple of key/value heads"),
+    ("k/v heads differ", lambda q, k, v: (q, k, v.expand(-1, 2, -1, -1), {}), ValueError, "v has 2 heads"),
+    ("k/v lengths differ", lambda q, k, v: (q, k, v[:, :, :5], {}), ValueError, "v has 5 keys"),
+    ("head dim mismatch", lambda q, k, v: (q, k[..., :7], v, {}), ValueError, "k has head dim 7"),
+    ("dropout too large", lambda q, k, v: (q, k, v, {"dropout_p": 1.0}), ValueError, "dropout_p must be in [0, 1)"),
+    ("dropout negative", lambda q, k, v: (q, k, v, {"dropout_p": -0.1}), ValueError, "dropout_p must be in [0, 1)"),
+    ("dropout not a number", lambda q, k, v: (q, k, v, {"dropout_p": "0.1"}), TypeError, "dropout_p must be a float"),
+    ("seed out of range", lambda q, k, v: (q, k, v, {"dropout_p": 0.1, "seed": -1}), ValueError, "seed must be in [0, 2**63)"),
+    ("seed not an int", lambda q, k, v: (q, k, v, {"seed": 1.5}), TypeError, "seed must be an int"),
+    ("mask not broadcastable", lambda q, k, v: (q, k, v, {"mask": torch.ones(3, 6, dtype=torch.bool)}),
+     ValueError, "does not broadcast to (B, Hq, Nq, Nk) = (1, 2, 4, 6)"),
+    ("integer mask", lambda q, k, v: (q, k, v, {"mask": torch.ones(4, 6, dtype=torch.int64)}), TypeError, "mask must be bool"),
+    ("bias requires grad", lambda q, k, v: (q, k, v, {"mask": torch.zeros(4, 6, requires_grad=True)}),
+     ValueError, "mask requires grad"),
+    ("unknown backend", lambda q, k, v: (q, k, v, {"backend": "cuda"}), ValueError, "backend must be one of"),
+    ("block_m zero", lambda q, k, v: (q, k, v, {"block_m": 0}), ValueError, "block_m must be a positive int, got 0"),
+    ("block_n float", lambda q, k, v: (q, k, v, {"block_n": 16.0}), TypeError, "block_n must be a positive int"),
+    ("window malformed", lambda q, k, v: (q, k, v, {"window": (3,)}), ValueError, "window must be a pair"),
+    ("window negative", lambda q, k, v: (q, k, v, {"window": (-2, 0)}), ValueError, "window left must be >= 0 or -1"),
+    ("causal not bool", lambda q, k, v: (q, k, v, {"causal": 1}), TypeError, "causal must be a bool"),
+    ("scale not a number", lambda q, k, v: (q, k, v, {"scale": "x"}), TypeError, "scale must be a float"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_clearly(case):
+    _, build, error, message = case
+    q, k, v, kwargs = build(*qkv())
+    with pytest.raises(error) as info:
+        exattn.attention(q, k, v, **kwargs)
+    assert message in str(info.value)
+
+
+def test_mixed_devices_are_refused():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
+        exattn.attention(q, k.to("meta"), v)
+
+
+def test_triton_by_name_on_cpu_says_why_not(monkeypatch):
+    q, k, v = qkv()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="backend 'triton' cannot serve these inputs"):
+        exattn.attention(q, k, v, backend="triton")
+
+
+def test_oracle_needs_dropout_p_with_a_mask():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="dropout_p must be given"):
+        attention_ref(q, k, v, dropout_mask=torch.ones(1, 2, 4, 6, dtype=torch.bool))
+
+
+def test_dropout_mask_arguments():
+    with pytest.raises(ValueError, match="shape must be"):
+        exattn.dropout_mask(1, (2, 3), 0.1)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        exattn.dropout_mask(None, (1, 1, 2, 2), 0.1)
