@@ -3,7 +3,10 @@
     python benchmarks/cpu_memory.py [--seq-len 8192] [--heads 8] [--head-dim 64]
 
 Goal (issue 2): tiled forward+backward <= 1/8 of naive's; tiled forward
-<= 1.5x torch SDPA's. Writes benchmarks/results/cpu-memory.json.
+<= 1.5x torch SDPA's. Each variant is measured twice, in fresh processes:
+"cold" (the first call in the process, so one-time library set-up such as
+MKL's GEMM buffers counts) and "warm" (after one small call of the same
+implementation, at N/16). Writes benchmarks/results/cpu-memory.json.
 """
 
 from __future__ import annotations
@@ -24,29 +27,37 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_variant(variant: str, shape: tuple[int, int, int, int], queue) -> None:
+def call(variant: str, shape: tuple[int, int, int, int]) -> int:
     import exattn
 
-    torch.manual_seed(0)
     b, h, n, d = shape
     backward = variant.endswith("bwd")
     q, k, v = (torch.randn(b, h, n, d, requires_grad=backward) for _ in range(3))
     dout = torch.randn(b, h, n, d)
-    before = peak_rss_bytes()
     impl = variant.split()[0]
+    start = peak_rss_bytes()
     if impl == "sdpa":
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     else:
         out = exattn.attention(q, k, v, backend=impl)
     if backward:
         out.backward(dout)
-    queue.put(peak_rss_bytes() - before)
+    return start
 
 
-def measure(variant: str, shape) -> int:
+def run_variant(variant: str, shape: tuple[int, int, int, int], warm: bool, queue) -> None:
+    torch.manual_seed(0)
+    if warm:
+        b, h, n, d = shape
+        call(variant, (b, h, max(1, n // 16), d))
+    start = call(variant, shape)  # the peak once the inputs exist, before attention runs
+    queue.put(peak_rss_bytes() - start)
+
+
+def measure(variant: str, shape, warm: bool) -> int:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=run_variant, args=(variant, shape, queue))
+    proc = ctx.Process(target=run_variant, args=(variant, shape, warm, queue))
     proc.start()
     growth = queue.get()
     proc.join()
@@ -61,16 +72,17 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     args = parser.parse_args()
     shape = (args.batch, args.heads, args.seq_len, args.head_dim)
-    rows = []
-    for variant in VARIANTS:
-        growth = measure(variant, shape)
-        rows.append({"variant": variant, "peak_rss_growth_mib": growth / 2**20})
-        print(f"{variant:>15}: {growth / 2**20:9.1f} MiB")
-    by = {r["variant"]: r["peak_rss_growth_mib"] for r in rows}
-    summary = {
-        "tiled_fwdbwd_over_naive_fwdbwd": by["tiled fwd+bwd"] / by["naive fwd+bwd"],
-        "tiled_fwd_over_sdpa_fwd": by["tiled fwd"] / by["sdpa fwd"],
-    }
+    rows, summary = [], {}
+    for state in ("cold", "warm"):
+        for variant in VARIANTS:
+            growth = measure(variant, shape, warm=state == "warm") / 2**20
+            rows.append({"variant": variant, "state": state, "peak_rss_growth_mib": growth})
+            print(f"{state} {variant:>15}: {growth:9.1f} MiB")
+        by = {r["variant"]: r["peak_rss_growth_mib"] for r in rows if r["state"] == state}
+        summary[state] = {
+            "tiled_fwdbwd_over_naive_fwdbwd": by["tiled fwd+bwd"] / by["naive fwd+bwd"],
+            "tiled_fwd_over_sdpa_fwd": by["tiled fwd"] / by["sdpa fwd"],
+        }
     print(json.dumps(summary, indent=2))
     write_json("cpu-memory.json", {
         "shape_bhnd": shape, "dtype": "float32", "device": "cpu",

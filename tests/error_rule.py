@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from exattn.reference import max_abs_error
+
 FLOORS = {
     torch.float64: 1e-12,
     torch.float32: 1e-5,
@@ -18,18 +20,10 @@ FLOORS = {
 }
 
 
-def max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Max absolute error, treating matching infinities (lse = -inf) as exact."""
-    x, ref = x.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
-    same_inf = torch.isinf(x) & torch.isinf(ref) & (torch.sign(x) == torch.sign(ref))
-    diff = torch.where(same_inf, torch.zeros_like(x), (x - ref).abs())
-    return float(diff.max()) if diff.numel() else 0.0
-
-
 def assert_matches_oracle(name: str, ours, naive, ref, dtype: torch.dtype, floor: float | None = None):
     """Assert the rule for one tensor; NaN anywhere fails."""
     assert not torch.isnan(ours).any(), f"{name}: NaN in output"
     floor = FLOORS[dtype] if floor is None else floor
     floor *= max(1.0, float(ref.detach().abs().nan_to_num(posinf=0, neginf=0).max()) if ref.numel() else 1.0)
-    err, base = max_error(ours, ref), max_error(naive, ref)
+    err, base = max_abs_error(ours, ref), max_abs_error(naive, ref)
     assert err <= 2 * base + floor, f"{name}: err {err:.3e} > 2 * naive {base:.3e} + {floor:.1e}"

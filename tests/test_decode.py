@@ -142,7 +142,8 @@ def test_strided_inputs_value_dim_and_huge_logits(backend):
     big_k = torch.full((2, 3, 90, 48), float("nan"), device=DEVICE)
     big_k[:, :, 5:75, 3:27] = k
     k_view = big_k[:, :, 5:75, 3:27]
-    out, lse = exattn.decode(q_t, k_view, v, cache_seqlens=lens, num_splits=2, return_lse=True,
+    lens_view = torch.stack([lens, lens * 0], dim=1)[:, 0]  # a strided int32 view
+    out, lse = exattn.decode(q_t, k_view, v, cache_seqlens=lens_view, num_splits=2, return_lse=True,
                              backend=backend)
     assert_matches_attention("strided", out, lse, q, k, v, lens)
 
@@ -279,3 +280,10 @@ def test_triton_refuses_cpu_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="backend 'triton' cannot serve these inputs: q is on cpu"):
         call(error_case(), backend="triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    q, k, v, lens = make_case(1, 2, 1, 1, 8, 8, torch.float32)
+    out, lse = exattn.decode(q[:0], k[:0], v[:0], cache_seqlens=lens[:0], return_lse=True, backend=backend)
+    assert out.shape == (0, 2, 1, 8) and lse.shape == (0, 2, 1)

@@ -5,6 +5,7 @@ every case runs inside those spawns: both layouts, causal on and off, GQA/MQA,
 Nq != Nk, rows with no allowed key, fp64/fp32/fp16/bf16. Each rank checks its
 shard of out, lse, dq, dk, dv against the oracle on the full tensors with the
 shared error rule, and float64 runs against single-process `exattn.attention`.
+World 3 also runs rings of one process, world 4 two interleaved subgroup rings.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import exattn
-from error_rule import assert_matches_oracle, max_error
+from error_rule import assert_matches_oracle, max_abs_error
 from exattn.distributed import ring_attention, shard, unshard
 from exattn.distributed.blocks import step_blocks
 from exattn.distributed.layout import segments
@@ -112,7 +113,7 @@ def check_case(case: Case, rank: int, world: int, seed: int, group=None) -> None
         assert a.dtype == (torch.float32 if name == "lse" else case.dtype), f"{case.name} {name}: dtype {a.dtype}"
         assert_matches_oracle(f"{case.name} {name}", a, n, r, case.dtype)
         if case.dtype == torch.float64 and name != "lse":
-            gap = max_error(a, s)
+            gap = max_abs_error(a, s)
             assert gap <= 1e-12, f"{case.name} {name}: differs from exattn.attention by {gap:.2e}"
 
 
@@ -123,6 +124,13 @@ def check_subgroups(rank: int, world: int) -> None:
     mine = rank % 2
     case = Case("f32-subgroup-zigzag-causal", torch.float32, "zigzag", True, heads=(2, 1))
     check_case(case, members[mine].index(rank), len(members[mine]), seed=100 + mine, group=groups[mine])
+
+
+def check_singleton_groups(rank: int, world: int) -> None:
+    """A ring of one process (its own group) is plain local attention."""
+    groups = [dist.new_group([r]) for r in range(world)]
+    case = Case("f64-singleton-zigzag-causal", torch.float64, "zigzag", True, heads=(2, 1))
+    check_case(case, 0, 1, seed=200 + rank, group=groups[rank])
 
 
 def check_bad_group(rank: int, world: int) -> None:
@@ -139,6 +147,8 @@ def worker(rank: int, world: int, store_path: str) -> None:
     )
     checks = [(c.name, lambda c=c, i=i: check_case(c, rank, world, seed=i)) for i, c in enumerate(CASES)]
     checks.append(("bad-group", lambda: check_bad_group(rank, world)))
+    if world == 3:
+        checks.append(("singletons", lambda: check_singleton_groups(rank, world)))
     if world == 4:
         checks.append(("subgroups", lambda: check_subgroups(rank, world)))
     failures = []

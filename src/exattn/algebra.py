@@ -35,7 +35,7 @@ class BlockSummary(NamedTuple):
 
 def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
     """The shared maximum used for rescaling: -inf (an empty block) becomes 0."""
-    return torch.where(m == NEG_INF, torch.zeros_like(m), m)
+    return torch.where(torch.isneginf(m), 0.0, m)
 
 
 def empty_summary(shape: tuple[int, ...], value_dim: int, dtype, device) -> BlockSummary:
@@ -83,17 +83,14 @@ def summarize_(
     return BlockSummary(m=m, l=l, u=u)
 
 
-def rescale(s: BlockSummary, new_m: torch.Tensor) -> BlockSummary:
-    """`s` expressed relative to a (larger or equal) maximum `new_m`."""
-    alpha = torch.exp(s.m - finite_or_zero(new_m))
-    return BlockSummary(new_m, s.l * alpha, s.u * alpha.unsqueeze(-1))
-
-
 def merge(a: BlockSummary, b: BlockSummary) -> BlockSummary:
     """Combine two summaries of disjoint key blocks. Associative and commutative."""
     m = torch.maximum(a.m, b.m)
-    a, b = rescale(a, m), rescale(b, m)
-    return BlockSummary(m, a.l + b.l, a.u + b.u)
+    shared = finite_or_zero(m)
+    alpha, beta = torch.exp(a.m - shared), torch.exp(b.m - shared)
+    l = torch.addcmul(a.l * alpha, b.l, beta)  # noqa: E741
+    u = torch.addcmul(a.u * alpha.unsqueeze(-1), b.u, beta.unsqueeze(-1))
+    return BlockSummary(m, l, u)
 
 
 def finalize(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,8 +119,10 @@ def check_num_splits(num_splits: object) -> int:
 def check_lengths(problem: DecodeProblem) -> None:
     """The checks that read device values (one host sync): lengths and used pages."""
     lens, len_q, capacity = problem.seqlens, problem.q.shape[2], problem.capacity
+    if lens.numel() == 0:
+        return
     stats = [lens.min(), lens.max()]
-    if problem.paged:
+    if problem.paged and problem.block_table.numel():
         used = used_pages(problem)
         table = problem.block_table
         stats += [torch.where(used, table, 0).min(), torch.where(used, table, 0).max()]
@@ -376,10 +378,11 @@ def decode(
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
     """
     problem = make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate)
-    if choose_decode_backend(problem, backend) == "triton":
-        out, lse = run_triton(problem)
+    name = choose_decode_backend(problem, backend)
+    if q.shape[0] == 0:
+        out, lse = q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
     else:
-        out, lse = run_tiled(problem)
+        out, lse = run_triton(problem) if name == "triton" else run_tiled(problem)
     if not return_lse:
         return out
     return out, lse.to(torch.float32)

@@ -9,20 +9,24 @@ expressed with exattn's one band rule, without building a mask:
     Nq >  Nk:  top-left causal is the band's right bound Nq - Nk:
                j <= i + (Nk - Nq) + (Nq - Nk) = i.
 
-Differences from SDPA (also listed in docs/integrations.md):
+Differences from SDPA (docs/integrations.md explains each):
 
-- Dropout draws its keep-mask from exattn's counter-based Philox stream
-  (seeded from torch's default generator), not from SDPA's: same
-  distribution, different random numbers. `dropout_p` must be in [0, 1)
-  (SDPA also accepts 1.0).
-- A floating `attn_mask` cannot require grad (SDPA differentiates through it).
-- A floating `attn_mask` of any float dtype is accepted and added in the
-  compute dtype (SDPA wants bool, float32 or the query's dtype).
-- fp16/bf16 inputs accumulate in float32; float64 stays float64.
-- With `enable_gqa=True`, key and value must have the same number of heads.
-- Bad inputs raise ValueError/TypeError naming the argument (SDPA raises
-  RuntimeError); nested tensors are not supported.
-- A row with nothing to attend gives zeros, as SDPA's math backend does.
+1. Dropout draws its keep-mask from exattn's counter-based Philox stream
+   (seeded from torch's default generator), not SDPA's: same distribution,
+   different random numbers.
+2. `dropout_p` must be in [0, 1) (SDPA also accepts 1.0).
+3. A floating `attn_mask` cannot require grad (SDPA differentiates it).
+4. A floating `attn_mask` of any float dtype is accepted and added in the
+   compute dtype (SDPA wants bool, float32 or the query's dtype).
+5. fp16/bf16 inputs accumulate in float32; float64 stays float64.
+6. With `enable_gqa=True`, key and value must have the same number of heads.
+7. Bad inputs raise ValueError/TypeError naming the argument (SDPA raises
+   RuntimeError).
+8. Nested tensors are not supported.
+9. The backend is exattn's "auto" (Triton on a supported GPU, else tiled);
+   `torch.nn.attention.sdpa_kernel` contexts have no effect.
+
+As in SDPA, a row with nothing to attend gives zeros.
 """
 
 from __future__ import annotations
@@ -75,8 +79,8 @@ def sdpa(
     q = as_4d(query, lead, heads_q, batch)
     k, v = (as_4d(x, lead, heads_kv, batch) for x in (key, value))
     mask = mask_4d(attn_mask, lead, heads_q, query.shape[-2], key.shape[-2], batch)
-    band = top_left_causal(q, k, v) if is_causal else {"k": k, "v": v}
-    out = attention(q, mask=mask, scale=scale, dropout_p=dropout_p, **band)
+    k, v, band = top_left_causal(q, k, v) if is_causal else (k, v, {})
+    out = attention(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, **band)
     out_batch = (*lead, heads_q) if max(query.dim(), key.dim(), value.dim()) >= 3 else ()
     return out.reshape(*out_batch, *out.shape[-2:])
 
@@ -159,9 +163,9 @@ def check_attn_mask(mask: object) -> None:
         raise ValueError("attn_mask requires grad; exattn does not differentiate the mask: pass attn_mask.detach()")
 
 
-def top_left_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
-    """k, v and the band that make exattn's bottom-right rule give SDPA's top-left causal mask."""
+def top_left_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(k, v, band arguments) that make exattn's bottom-right rule give SDPA's top-left causal mask."""
     len_q, len_k = q.shape[2], k.shape[2]
     if len_q <= len_k:
-        return {"k": k[:, :, :len_q], "v": v[:, :, :len_q], "causal": True}
-    return {"k": k, "v": v, "window": (-1, len_q - len_k)}
+        return k[:, :, :len_q], v[:, :, :len_q], {"causal": True}
+    return k, v, {"window": (-1, len_q - len_k)}

@@ -22,6 +22,7 @@ from ..algebra import empty_summary, finalize, merge, summarize_
 from ..dropout import keep_tile
 from ..masks import apply_masks, band_bounds, band_rows
 from ..problem import AttentionParams, AttentionProblem, compute_dtype
+from .autograd import RecomputingAttention
 
 # Elements of one score tile, summed over batch and heads, that the default
 # tile sizes aim for: large enough for efficient matmuls, small enough for cache.
@@ -158,24 +159,6 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
     return dq5.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class TiledAttention(torch.autograd.Function):
-    """Autograd wrapper: saves q, k, v, out, lse (and the seed, in params); no N x N tensor."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, params: AttentionParams):
-        out, lse = tiled_forward(q, k, v, mask, params)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.params = mask, params
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = tiled_backward(dout, q, k, v, ctx.mask, out, lse, ctx.params)
-        return dq, dk, dv, None, None
-
-
 class TiledBackend:
     """Pure PyTorch tiles; serves every input the contract allows, on any device."""
 
@@ -187,7 +170,10 @@ class TiledBackend:
         return []
 
     def run(self, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor]:
-        # Through the torch custom op (exattn.ops), so that torch.compile can trace it.
-        from ..ops import tiled_attention
+        args = (problem.q, problem.k, problem.v, problem.mask, problem.params)
+        if torch.compiler.is_compiling():
+            # The same passes as torch custom ops (exattn.ops), opaque to the compiler.
+            from ..ops import tiled_attention
 
-        return tiled_attention(problem.q, problem.k, problem.v, problem.mask, problem.params)
+            return tiled_attention(*args)
+        return RecomputingAttention.apply(*args, self)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -44,8 +44,8 @@ class ExperimentConfig:
     out: str = "experiment-out"
     device: str = "cpu"
     seq_lens: tuple[int, ...] = (256, 512, 1024, 2048)
-    tiles: tuple[tuple[int, int], ...] = ((16, 64), (64, 64), (64, 256), (128, 128))
-    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    tiles: tuple[tuple[int, int], ...] = ((64, 64), (128, 64), (64, 256), (128, 128))
+    dtypes: tuple[str, ...] = ("fp32", "fp16", "bf16")
     phases: tuple[str, ...] = PHASES
     causal: tuple[bool, ...] = (False, True)
     dropout: tuple[float, ...] = (0.0, 0.1)
@@ -156,7 +156,8 @@ def scalar(kind, minimum=1):
         except (TypeError, ValueError):
             number = None
         if number is None or number < minimum:
-            raise ConfigError(f"{name} must be a {kind.__name__} >= {minimum}, got {value!r}")
+            noun = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{name} must be {noun} >= {minimum}, got {value!r}")
         return number
     return check
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import gc
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -53,9 +53,8 @@ def reset_peak_rss() -> bool:
 def measure_here(spec: RunSpec) -> dict:
     """Peak RSS growth (bytes) of one run of `spec` in this (fresh) process."""
     try:
-        run_once(spec, make_inputs(dataclasses.replace(spec, seq_len=min(spec.seq_len, WARMUP_LEN))))
+        run_once(spec, make_inputs(tiny(spec)))
         inputs = make_inputs(spec)
-        gc.collect()
         exact = reset_peak_rss()
         before = status_kib("VmRSS") if exact else status_kib("VmHWM")
         run_once(spec, inputs)
@@ -70,16 +69,31 @@ def measure_here(spec: RunSpec) -> dict:
     return {"peak_bytes": max(0, peak - before) * 1024, "method": method}
 
 
-def serve_one(line: str) -> dict:
-    """Fork a child for one request (a RunSpec as JSON) and return its answer."""
+def tiny(spec: RunSpec) -> RunSpec:
+    return dataclasses.replace(spec, seq_len=min(spec.seq_len, WARMUP_LEN))
+
+
+def serve_one(line: str, warmed: set) -> dict:
+    """Fork a child for one request (a RunSpec as JSON) and return its answer.
+
+    The server itself runs single-threaded (a forked child must not inherit a
+    started OpenMP pool) and warms each code path once at a tiny size, so
+    that children do not pay torch's lazy initialization.
+    """
     request = json.loads(line)
-    if request.get("threads"):
-        torch.set_num_threads(request["threads"])
     spec = RunSpec(**request["spec"])
+    path = (spec.phase, spec.impl, spec.dtype, spec.causal, spec.dropout_p > 0)
+    if path not in warmed:
+        try:
+            run_once(spec, make_inputs(tiny(spec)))
+        except Exception:
+            pass  # the child reports the failure
+        warmed.add(path)
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read_fd)
+        torch.set_num_threads(request.get("threads") or 1)
         with os.fdopen(write_fd, "w") as pipe:
             pipe.write(json.dumps(measure_here(spec)))
         os._exit(0)
@@ -94,8 +108,10 @@ def serve_one(line: str) -> dict:
 
 def serve() -> None:
     """The fork server: one JSON request per stdin line, one JSON answer per stdout line."""
+    torch.set_num_threads(1)
+    warmed: set = set()
     for line in sys.stdin:
-        sys.stdout.write(json.dumps(serve_one(line)) + "\n")
+        sys.stdout.write(json.dumps(serve_one(line, warmed)) + "\n")
         sys.stdout.flush()
 
 
@@ -108,15 +124,19 @@ class ForkServer:
     def start(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", f"from {__name__} import serve; serve()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                text=True, start_new_session=True,
+                [sys.executable, "-c", f"from {__name__} import serve; serve()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
             )
         return self.proc
 
     def measure(self, spec: RunSpec, timeout: float, threads: int | None = None) -> dict:
         proc = self.start()
-        proc.stdin.write(json.dumps({"spec": dataclasses.asdict(spec), "threads": threads}) + "\n")
-        proc.stdin.flush()
+        try:
+            proc.stdin.write(json.dumps({"spec": dataclasses.asdict(spec), "threads": threads}) + "\n")
+            proc.stdin.flush()
+        except OSError as err:
+            self.close()
+            return {"error": f"memory server is gone ({err})"}
         ready, _, _ = select.select([proc.stdout], [], [], timeout + 60)
         line = proc.stdout.readline() if ready else ""
         if not line:
@@ -126,9 +146,19 @@ class ForkServer:
         return json.loads(line)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait()
+        """End the server (closing its stdin ends its loop) and anything left in its process group."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self.proc = None
 
 

@@ -7,20 +7,11 @@ import time
 
 import torch
 
+from ..reference import max_abs_error
 from .oracle import Reference
 from .workload import Inputs, RunSpec, forward, run_once, synchronize
 
 GRAD_NAMES = ("dq", "dk", "dv")
-
-
-def max_abs_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |x - ref| in float64; matching infinities count as exact, NaN propagates."""
-    x, ref = x.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
-    same_inf = torch.isinf(x) & torch.isinf(ref) & (torch.sign(x) == torch.sign(ref))
-    diff = torch.where(same_inf, torch.zeros_like(x), (x - ref).abs())
-    if not diff.numel():
-        return 0.0
-    return float("nan") if torch.isnan(diff).any() else float(diff.max())
 
 
 def relative(err: float, ref: torch.Tensor) -> float:

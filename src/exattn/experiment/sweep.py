@@ -67,7 +67,7 @@ def plan_runs(config: ExperimentConfig) -> list[list[RunSpec]]:
                     causal=causal, dropout_p=dropout_p,
                 ))
     if "decode" in config.phases:
-        splits = tuple(dict.fromkeys((1, block_n) for _, block_n in config.tiles))
+        splits = tuple((1, block_n) for block_n in sorted({n for _, n in config.tiles}))
         for dtype, n in itertools.product(config.dtypes, config.seq_lens):
             groups.append(setting_runs(
                 config, splits, phase="decode", dtype=dtype, seq_len=n, causal=True, dropout_p=0.0,
@@ -85,13 +85,19 @@ def naive_cap_note(run: RunSpec, config: ExperimentConfig) -> str | None:
             f"matrix, several live at once); N = {run.seq_len} > --naive-max-len {config.naive_max_len}")
 
 
+def entry_point(run: RunSpec) -> str:
+    if run.phase == "prefill" or run.impl == "naive":
+        return f"exattn.attention(backend={run.impl!r})"
+    return f"exattn.decode(backend={run.impl!r}, num_splits=ceil(N / {run.block_n}))"
+
+
 def base_row(run: RunSpec) -> dict:
     row = run.as_dict() | {
         "tile": run.tile,
         "len_q": run.len_q,
         "len_k": run.seq_len,
         "implementation": IMPLEMENTATIONS.get(run.impl, run.impl),
-        "entry_point": "exattn.attention" if run.phase == "prefill" else "decode_call (exattn.attention, Nq=1)",
+        "entry_point": entry_point(run),
         "status": "ok",
         "note": "",
     }

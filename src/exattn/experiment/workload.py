@@ -2,11 +2,12 @@
 
 This is the only module that knows how each phase calls exattn: prefill is
 `exattn.attention` over all queries; decode is one new query against the
-whole context, through `decode_call`.
+whole context, through `decode_call` (`exattn.decode`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -92,11 +93,15 @@ def make_inputs(spec: RunSpec) -> Inputs:
 
 
 def decode_call(spec: RunSpec, q, k_cache, v_cache) -> torch.Tensor:
-    """One new query (B, Hq, 1, D) against the whole cache (B, Hk, N, D)."""
-    return exattn.attention(
-        q, k_cache, v_cache, causal=True, backend=spec.impl,
-        block_m=spec.block_m, block_n=spec.block_n,
-    )
+    """One new query (B, Hq, 1, D) against the whole cache (B, Hk, N, D).
+
+    The baseline is the naive formula with Nq = 1; a backend runs
+    `exattn.decode`, split-KV with one split per `block_n` keys.
+    """
+    if spec.impl == "naive":
+        return exattn.attention(q, k_cache, v_cache, causal=True, backend="naive")
+    splits = math.ceil(spec.seq_len / spec.block_n)
+    return exattn.decode(q, k_cache, v_cache, num_splits=splits, backend=spec.impl)
 
 
 def forward(spec: RunSpec, inputs: Inputs) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...problem import AttentionParams, AttentionProblem
+from ..autograd import RecomputingAttention
 from .configs import MAX_HEAD_DIM, interpreting, tile_problems
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,28 +64,6 @@ def problem_reasons(problem: AttentionProblem) -> list[str]:
     return reasons
 
 
-class TritonAttention(torch.autograd.Function):
-    """Autograd wrapper: saves q, k, v, out, lse (and the seed, in params); no N x N tensor."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, params: AttentionParams):
-        from .passes import triton_forward
-
-        out, lse = triton_forward(q, k, v, mask, params)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.params = mask, params
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        from .passes import triton_backward
-
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = triton_backward(dout, q, k, v, ctx.mask, out, lse, ctx.params)
-        return dq, dk, dv, None, None
-
-
 def triton_forward(q, k, v, mask, params: AttentionParams):
     """Raw forward pass: out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32 natural log."""
     from .passes import triton_forward as run
@@ -119,7 +98,9 @@ class TritonBackend:
         reasons = self.not_supported_reasons(problem)
         if reasons:
             raise ValueError(f"backend 'triton' cannot serve these inputs: {'; '.join(reasons)}")
-        return TritonAttention.apply(problem.q, problem.k, problem.v, problem.mask, problem.params)
+        return RecomputingAttention.apply(
+            problem.q, problem.k, problem.v, problem.mask, problem.params, self
+        )
 
 
 def __getattr__(name: str):

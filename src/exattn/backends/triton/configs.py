@@ -24,12 +24,19 @@ TMA_ALIGN_BYTES = 16
 
 @dataclass(frozen=True)
 class TileConfig:
-    """block_m: query rows per tile; block_n: keys per tile; launch options of one kernel."""
+    """block_m: query rows per tile; block_n: keys per tile; launch options of one kernel.
+
+    warp_specialize (forward only, 4 warps, for tuning experiments): one masked
+    key loop that the compiler splits into producer and consumer warp groups.
+    No table entry uses it: on the H200 it gave NaN at d=64 and under causal
+    masks with Triton 3.6 (docs/triton.md).
+    """
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    warp_specialize: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,23 +61,30 @@ def dim_bucket(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
-# 16-bit inputs on sm_90, by (padded head dim bucket, causal).
+# 16-bit inputs on sm_90, by (padded head dim bucket, causal). Chosen from the
+# sweeps in benchmarks/results/triton-tiles-h200*.json (bf16, N = 16k).
 FORWARD_TILES = {
     (64, False): TileConfig(128, 64, 4, 3),
     (64, True): TileConfig(128, 64, 4, 3),
-    (128, False): TileConfig(128, 64, 4, 3),
-    (128, True): TileConfig(128, 64, 4, 3),
+    (128, False): TileConfig(128, 64, 8, 3),
+    (128, True): TileConfig(128, 64, 8, 3),
     (256, False): TileConfig(64, 64, 4, 2),
     (256, True): TileConfig(64, 64, 4, 2),
 }
 BACKWARD_TILES = {
-    64: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 2)),
-    128: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 2)),
-    256: BackwardConfig(TileConfig(32, 64, 4, 1), TileConfig(64, 32, 4, 1)),
+    64: BackwardConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 3)),
+    128: BackwardConfig(TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 3)),
+    256: BackwardConfig(TileConfig(32, 64, 8, 1), TileConfig(64, 64, 8, 1)),
 }
-# float32 (IEEE dots) and the CPU interpreter: small tiles.
-FLOAT32_TILES = TileConfig(64, 32, 4, 2)
-FLOAT32_WIDE_TILES = TileConfig(32, 32, 4, 1)
+# A user mask or dropout adds registers per score element (mask loads, Philox):
+# smaller tiles keep those kernels free of spills.
+GENERAL_TILES = {
+    "forward": TileConfig(64, 64, 4, 2),
+    "dkdv": TileConfig(32, 64, 4, 2),
+    "dq": TileConfig(64, 64, 4, 2),
+}
+# float32 (IEEE dots, no tensor cores) and the CPU interpreter: small tiles.
+FLOAT32_TILES = TileConfig(32, 32, 4, 1)
 INTERPRETER_TILES = TileConfig(32, 32, 4, 1)
 
 
@@ -85,12 +99,14 @@ def tile_problems(block_m: int | None, block_n: int | None) -> list[str]:
     return reasons
 
 
-def base_config(kind: str, head_dim: int, dtype: torch.dtype, causal: bool, interpret: bool):
-    """Table entry for `kind` in ("forward", "dkdv", "dq")."""
+def base_config(kind: str, head_dim: int, dtype: torch.dtype, causal: bool, general: bool, interpret: bool):
+    """Table entry for `kind` in ("forward", "dkdv", "dq"); `general`: a user mask or dropout."""
     if interpret:
         return INTERPRETER_TILES
     if dtype == torch.float32:
-        return FLOAT32_WIDE_TILES if head_dim > 128 else FLOAT32_TILES
+        return FLOAT32_TILES
+    if general:
+        return GENERAL_TILES[kind]
     bucket = dim_bucket(head_dim)
     if kind == "forward":
         return FORWARD_TILES[(bucket, causal)]
@@ -108,15 +124,15 @@ def shared_bytes(kind: str, cfg: TileConfig, dims: tuple[int, int], elem: int) -
 
 
 def choose_config(
-    kind: str, dims: tuple[int, int], dtype: torch.dtype, causal: bool, interpret: bool,
-    block_m: int | None, block_n: int | None,
+    kind: str, dims: tuple[int, int], dtype: torch.dtype, causal: bool, general: bool,
+    interpret: bool, block_m: int | None, block_n: int | None,
 ) -> TileConfig | None:
     """The tiles of one kernel for these inputs; None if even one stage exceeds shared memory."""
-    cfg = base_config(kind, max(dims), dtype, causal, interpret)
+    cfg = base_config(kind, max(dims), dtype, causal, general, interpret)
     if block_m is not None or block_n is not None:
         bm, bn = block_m or cfg.block_m, block_n or cfg.block_n
         warps = 8 if bm * bn >= 128 * 128 and not interpret else 4
-        cfg = replace(cfg, block_m=bm, block_n=bn, num_warps=warps)
+        cfg = replace(cfg, block_m=bm, block_n=bn, num_warps=warps, warp_specialize=False)
     if interpret:
         return cfg
     elem = torch.finfo(dtype).bits // 8

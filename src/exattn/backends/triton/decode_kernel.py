@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # query rows (G * Nq) one program carries; more rows add row blocks
 
@@ -55,23 +55,22 @@ def default_config(rows: int, head_dim: int, value_dim: int) -> DecodeConfig:
 
 
 @triton.jit
-def _key_location(n0, b, hi, BT, stride_tb, stride_tp,
-                  BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """(base, within) of keys n0 .. n0 + BLOCK_N: the key's address is
-    base * stride_batch_or_page + within * stride_seq."""
-    offs = n0 + tl.arange(0, BLOCK_N)
+def _key_base(n0, hi, b, BT, stride_tb, stride_tp,
+              BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Batch index (contiguous) or page indices (paged) of keys n0 .. n0 + BLOCK_N, int64:
+    a scalar, or one per key when a block spans pages. The address of key n is
+    base * stride_batch_or_page + n * stride_seq (contiguous) or
+    base * stride_page + (n % PAGE_SIZE) * stride_seq (paged)."""
     if PAGED:
         row = BT + b.to(tl.int64) * stride_tb
         if PAGE_SIZE % BLOCK_N == 0:
-            base = tl.load(row + (n0 // PAGE_SIZE) * stride_tp).to(tl.int64)
+            base = tl.load(row + (n0 // PAGE_SIZE) * stride_tp, mask=n0 < hi, other=0).to(tl.int64)
         else:
-            pages = tl.load(row + (offs // PAGE_SIZE) * stride_tp, mask=offs < hi, other=0)
-            base = pages.to(tl.int64)
-        within = (offs % PAGE_SIZE).to(tl.int64)
+            offs = n0 + tl.arange(0, BLOCK_N)
+            base = tl.load(row + (offs // PAGE_SIZE) * stride_tp, mask=offs < hi, other=0).to(tl.int64)
     else:
         base = b.to(tl.int64)
-        within = offs.to(tl.int64)
-    return base, within
+    return base
 
 
 @triton.jit
@@ -81,7 +80,8 @@ def decode_split_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_tb, stride_tp,
-    heads_k, group, len_q, num_splits, head_dim, value_dim, qk_scale,
+    heads_k, group, len_q, num_splits, qk_scale,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
@@ -103,20 +103,24 @@ def decode_split_kernel(
     dv = tl.arange(0, BLOCK_DV)
     q_ptrs = (Q + b.to(tl.int64) * stride_qb + head[:, None].to(tl.int64) * stride_qh
               + token[:, None] * stride_qt + d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (d[None, :] < head_dim), other=0.0)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     k_head = K + hk.to(tl.int64) * stride_kh
     v_head = V + hk.to(tl.int64) * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # The page indices of the next block are read one iteration ahead, so that the
+    # software pipeliner can keep several K/V blocks in flight for paged caches too.
+    base = _key_base(lo, hi, b, BT, stride_tb, stride_tp, BLOCK_N, PAGED, PAGE_SIZE)
     for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs < hi
-        base, within = _key_location(n0, b, hi, BT, stride_tb, stride_tp, BLOCK_N, PAGED, PAGE_SIZE)
+        within = (offs % PAGE_SIZE if PAGED else offs).to(tl.int64)
+        next_base = _key_base(n0 + BLOCK_N, hi, b, BT, stride_tb, stride_tp, BLOCK_N, PAGED, PAGE_SIZE)
         k_rows = base * stride_kb + within * stride_kn
         k = tl.load(k_head + k_rows[:, None] + d[None, :] * stride_kd,
-                    mask=key_ok[:, None] & (d[None, :] < head_dim), other=0.0)
+                    mask=key_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         s = tl.where(offs[None, :] <= last_key[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -126,23 +130,24 @@ def decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = base * stride_vb + within * stride_vn
         v = tl.load(v_head + v_rows[:, None] + dv[None, :] * stride_vd,
-                    mask=key_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
+                    mask=key_ok[:, None] & (dv[None, :] < VALUE_DIM), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
+        base = next_base
 
     has_mass = l_i != 0.0
     safe_l = tl.where(has_mass, l_i, 1.0)
     out = tl.where(has_mass[:, None], acc / safe_l[:, None], 0.0)
     lse = tl.where(has_mass, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
     out_row = ((b * heads_k * group + head).to(tl.int64) * len_q + token) * num_splits + split
-    tl.store(OUT + out_row[:, None] * value_dim + dv[None, :], out.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < value_dim))
+    tl.store(OUT + out_row[:, None] * VALUE_DIM + dv[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & (dv[None, :] < VALUE_DIM))
     tl.store(LSE + out_row, lse, mask=row_ok)
 
 
 @triton.jit
-def decode_combine_kernel(OUT_PART, LSE_PART, OUT, LSE, num_splits, value_dim,
-                          BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+def decode_combine_kernel(OUT_PART, LSE_PART, OUT, LSE, num_splits,
+                          VALUE_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
@@ -159,8 +164,8 @@ def decode_combine_kernel(OUT_PART, LSE_PART, OUT, LSE, num_splits, value_dim,
         ok = s0 + s < num_splits
         part_lse = tl.load(LSE_PART + first + s0 + s, mask=ok, other=float("-inf"))
         w = tl.exp(part_lse - m_safe)
-        part = tl.load(OUT_PART + (first + s0 + s)[:, None] * value_dim + dv[None, :],
-                       mask=ok[:, None] & (dv[None, :] < value_dim), other=0.0)
+        part = tl.load(OUT_PART + (first + s0 + s)[:, None] * VALUE_DIM + dv[None, :],
+                       mask=ok[:, None] & (dv[None, :] < VALUE_DIM), other=0.0)
         acc += tl.sum(w[:, None] * part, 0)
         weight_sum += w
     total = tl.sum(weight_sum, 0)
@@ -168,7 +173,7 @@ def decode_combine_kernel(OUT_PART, LSE_PART, OUT, LSE, num_splits, value_dim,
     safe_total = tl.where(has_mass, total, 1.0)
     out = tl.where(has_mass, acc / safe_total, 0.0)
     lse = tl.where(has_mass, m_safe + tl.log(safe_total), float("-inf"))
-    tl.store(OUT + row * value_dim + dv, out.to(OUT.dtype.element_ty), mask=dv < value_dim)
+    tl.store(OUT + row * VALUE_DIM + dv, out.to(OUT.dtype.element_ty), mask=dv < VALUE_DIM)
     tl.store(LSE + row, lse)
 
 
@@ -192,6 +197,7 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
     num_splits = min(num_splits, max_useful_splits(capacity, config))
+    seqlens = seqlens.contiguous()
     out = torch.empty(batch, heads_q, len_q, value_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
     if num_splits == 1:
@@ -206,7 +212,8 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
     decode_split_kernel[grid](
         q, k_cache, v_cache, seqlens, table, part_out, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *table_strides,
-        heads_k, group, len_q, num_splits, head_dim, value_dim, scale * LOG2E,
+        heads_k, group, len_q, num_splits, scale * LOG2E,
+        HEAD_DIM=head_dim, VALUE_DIM=value_dim,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
@@ -216,7 +223,7 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
     )
     if num_splits > 1:
         decode_combine_kernel[(batch * heads_q * len_q,)](
-            part_out, part_lse, out, lse, num_splits, value_dim,
-            BLOCK_S=16, BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), num_warps=4,
+            part_out, part_lse, out, lse, num_splits,
+            VALUE_DIM=value_dim, BLOCK_S=16, BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), num_warps=4,
         )
     return out, lse

@@ -11,6 +11,7 @@ lse is natural log, float32, (B, Hq, Nq). Grids are one-dimensional
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -31,17 +32,15 @@ class TritonSettings:
     """Non-default knobs of the Triton backend (module-level, see `settings`).
 
     atomic_dq: the dK/dV kernel also accumulates dQ with float32 atomics and
-        the dQ kernel is skipped: fewer FLOPs, but gradients are no longer
-        bitwise reproducible. Env: EXATTN_TRITON_ATOMIC_DQ=1.
+        the dQ kernel is skipped: 5 matmuls per tile instead of 7, but gradients
+        are no longer bitwise reproducible, and on the H200 it measured slower
+        (docs/triton.md). Env: EXATTN_TRITON_ATOMIC_DQ=1.
     use_tma: load tiles through TMA tensor descriptors where the strides allow
         (Hopper and newer, and the interpreter). Env: EXATTN_TRITON_TMA=0 turns it off.
-    warp_specialize: forward with one masked loop and compiler warp
-        specialization (Hopper, 4 warps). Env: EXATTN_TRITON_WARP_SPECIALIZE=1.
     """
 
     atomic_dq: bool = os.environ.get("EXATTN_TRITON_ATOMIC_DQ", "0") == "1"
     use_tma: bool = os.environ.get("EXATTN_TRITON_TMA", "1") == "1"
-    warp_specialize: bool = os.environ.get("EXATTN_TRITON_WARP_SPECIALIZE", "0") == "1"
 
 
 settings = TritonSettings()
@@ -57,15 +56,28 @@ def ensure_allocator() -> None:
         )
 
 
+def hopper(x: torch.Tensor) -> bool:
+    """A CUDA tensor on sm_90 or newer (TMA, warp specialization); False in the interpreter."""
+    if interpreting() or x.device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
 def can_use_tma(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors on Hopper (and in the interpreter, to test that path) where strides allow."""
     if not settings.use_tma or not tma_compatible(*tensors):
         return False
     if interpreting():
         return True
-    if tensors[0].device.type != "cuda" or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if not hopper(tensors[0]):
         return False
     ensure_allocator()
     return True
+
+
+def on_device(x: torch.Tensor):
+    """Launch on x's GPU (Triton launches on the current device)."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
 
 
 def mask_arguments(mask: torch.Tensor | None, fallback: torch.Tensor):
@@ -94,10 +106,12 @@ def scalar_args(params: AttentionParams) -> dict:
     )
 
 
-def config_for(kind: str, q, v, params: AttentionParams) -> TileConfig:
+def config_for(kind: str, q, v, mask, params: AttentionParams) -> TileConfig:
     causal = params.window[1] == 0 and params.window[0] == UNBOUNDED
+    general = mask is not None or params.dropout_p > 0
     cfg = choose_config(
-        kind, (q.shape[3], v.shape[3]), q.dtype, causal, interpreting(), params.block_m, params.block_n
+        kind, (q.shape[3], v.shape[3]), q.dtype, causal, general, interpreting(),
+        params.block_m, params.block_n,
     )
     if cfg is None:
         raise ValueError(f"tiles too large for shared memory: block_m={params.block_m}, block_n={params.block_n}")
@@ -119,16 +133,21 @@ def grid_of(tiles: int, heads: int) -> tuple[int]:
 
 def triton_forward(q, k, v, mask, params: AttentionParams):
     """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32, natural log."""
+    with on_device(q):
+        return launch_forward(q, k, v, mask, params)
+
+
+def launch_forward(q, k, v, mask, params: AttentionParams):
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k, dim_v = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty(batch, heads_q, len_q, dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or len_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    cfg = config_for("forward", q, v, params)
+    cfg = config_for("forward", q, v, mask, params)
     mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
     flags = kernel_flags(q, params)
-    use_ws = settings.warp_specialize and cfg.num_warps == 4 and not interpreting()
+    use_ws = cfg.warp_specialize and cfg.num_warps == 4 and hopper(q)
     num_tiles = triton.cdiv(len_q, cfg.block_m)
     attention_forward_kernel[grid_of(num_tiles, batch * heads_q)](
         q, k, v, out, lse, mask_arg, q.stride(), k.stride(), v.stride(), out.stride(), mask_strides,
@@ -143,6 +162,11 @@ def triton_forward(q, k, v, mask, params: AttentionParams):
 
 def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
     """dq, dk, dv (in q, k, v's dtypes) for `triton_forward`, recomputing tiles from lse."""
+    with on_device(q):
+        return launch_backward(dout, q, k, v, mask, out, lse, params)
+
+
+def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k, dim_v = k.shape[1], k.shape[2], v.shape[3]
     if 0 in (batch, heads_q, len_q, len_k):
@@ -166,7 +190,7 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
     atomic = settings.atomic_dq
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
 
-    cfg = config_for("dkdv", q, v, params)
+    cfg = config_for("dkdv", q, v, mask, params)
     col_tiles = triton.cdiv(len_k, cfg.block_n)
     attention_dkdv_kernel[grid_of(col_tiles, batch * heads_k)](
         q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg,
@@ -178,7 +202,7 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
     if atomic:
         return (dq_acc * params.scale).to(q.dtype), dk, dv
 
-    cfg = config_for("dq", q, v, params)
+    cfg = config_for("dq", q, v, mask, params)
     row_tiles = triton.cdiv(len_q, cfg.block_m)
     attention_dq_kernel[grid_of(row_tiles, batch * heads_q)](
         q, k, v, dout, lse, delta, dq, mask_arg,

@@ -1,0 +1,425 @@
+"""Decoding throughput: exattn.decode against SDPA (cuDNN, flash) and compiled FlexAttention, same run.
+
+    python benchmarks/decode.py [--batches 1,8,64] [--contexts 1024,8192,32768,131072]
+                                [--page-sizes 16,256] [--impls exattn,sdpa_cudnn,sdpa_flash,flex]
+                                [--sweep] [--deadline-s 240] [--out benchmarks/results/decode-h200.json]
+    python benchmarks/decode.py --table benchmarks/results/decode-h200.json   # the docs table
+
+One new token (Nq = 1), bf16, Hq = 32, Hk = 8, D = 128, every sequence at the full context.
+The figure of merit is KV bytes read per second, 2 (K, V) x B x Hk x context x D x 2 bytes
+over the time of one call, the same count for every implementation (SDPA and Flex get
+the un-expanded K/V with enable_gqa=True). Paged caches (shuffled pages) run only through
+exattn; SDPA and Flex have no paged layout, so `paged` rows compare with the contiguous
+anchors. Timing: the calls of one configuration are captured in a CUDA graph, replayed,
+and the median replay time divided by the calls; small caches rotate among copies
+(>= 256 MB in all) so that each call reads from HBM, not L2 (as a decode step over
+many layers does). Configurations that do not fit in memory, fail, or run past the
+deadline give rows with tbps/ms null and a note. Goal (issue 5): >= 1.0x cuDNN at every
+shape; >= 4.5 TB/s at 128k; >= 3.5 TB/s at batch 1, 128k; paged >= 0.95x contiguous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import exattn
+
+HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
+DTYPE = torch.bfloat16
+ROTATE_BYTES = 256 * 2**20
+MAX_COPIES = 64
+RESULTS = Path(__file__).parent / "results"
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    return 2 * batch * HEADS_K * context * HEAD_DIM * DTYPE.itemsize
+
+
+def versions(device) -> dict:
+    import triton
+
+    info = {"torch": torch.__version__, "triton": triton.__version__, "exattn": exattn.__version__,
+            "python": platform.python_version(), "dtype": "bfloat16",
+            "heads_q": HEADS_Q, "heads_k": HEADS_K, "head_dim": HEAD_DIM, "len_q": 1}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(device=props.name, sms=props.multi_processor_count,
+                    cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+    else:
+        info.update(device="cpu (smoke run)")
+    return info
+
+
+# ---------------------------------------------------------------- timing
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(calls, device, budget_ms=60.0) -> tuple[float, str]:
+    """Median ms of one call, the calls run back to back (a CUDA graph where it captures)."""
+    def run_all():
+        for call in calls:
+            call()
+
+    run_all()
+    synchronize(device)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        run_all()
+        return (time.perf_counter() - start) * 1e3 / len(calls), "host clock"
+    replay, mode = run_all, "stream"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run_all()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_all()
+        replay, mode = graph.replay, "cuda graph"
+    except Exception as error:  # noqa: BLE001 - time without a graph, and say so
+        mode = f"stream (graph capture failed: {type(error).__name__})"
+        torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    replay()
+    end.record()
+    end.synchronize()
+    reps = max(3, min(50, int(budget_ms / max(start.elapsed_time(end), 1e-3))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) / len(calls), mode
+
+
+# ---------------------------------------------------------------- implementations
+
+def sdpa_call(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+    chosen = {}
+
+    def call(q, k, v):
+        """enable_gqa=True; if the backend refuses it, Hk < Hq heads as they are (cuDNN reads them natively)."""
+        with sdpa_kernel(backend):
+            if "gqa" not in chosen:
+                try:
+                    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    chosen["gqa"] = True
+                    return out
+                except RuntimeError:
+                    chosen["gqa"] = False
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=chosen["gqa"])
+
+    return call
+
+
+FLEX = {}
+
+
+def flex_call():
+    if "fn" not in FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        for limit in ("recompile_limit", "cache_size_limit"):  # one compile per shape, never eager
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, 256)
+        FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    fn = FLEX["fn"]
+    return lambda q, k, v: fn(q, k, v, enable_gqa=True)
+
+
+def exattn_call(lens, table=None):
+    return lambda q, k, v: exattn.decode(q, k, v, cache_seqlens=lens, block_table=table, validate=False)
+
+
+ANCHORS = {"sdpa_cudnn": lambda: sdpa_call("CUDNN_ATTENTION"),
+           "sdpa_flash": lambda: sdpa_call("FLASH_ATTENTION"),
+           "flex": flex_call}
+
+
+# ---------------------------------------------------------------- caches
+
+def copies_for(batch, context) -> int:
+    return max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / kv_bytes(batch, context))))
+
+
+def fits(batch, context, copies, device, factor=1.3) -> bool:
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return kv_bytes(batch, context) * copies * factor < free
+
+
+def contiguous_caches(batch, context, copies, device):
+    shape = (batch, HEADS_K, context, HEAD_DIM)
+    return [(torch.randn(shape, dtype=DTYPE, device=device), torch.randn(shape, dtype=DTYPE, device=device))
+            for _ in range(copies)]
+
+
+def paged_caches(batch, context, page_size, copies, device, seed=0):
+    """Pools of shuffled pages and their block tables."""
+    pages = math.ceil(context / page_size)
+    shape = (batch * pages, HEADS_K, page_size, HEAD_DIM)
+    g = torch.Generator().manual_seed(seed)
+    caches = []
+    for _ in range(copies):
+        table = torch.randperm(batch * pages, generator=g).view(batch, pages).to(torch.int32).to(device)
+        caches.append((torch.randn(shape, dtype=DTYPE, device=device),
+                       torch.randn(shape, dtype=DTYPE, device=device), table))
+    return caches
+
+
+# ---------------------------------------------------------------- measuring
+
+class Rows:
+    """Result rows, rewritten to disk after each one (a killed run keeps what it measured)."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path, self.meta, self.rows = path, meta, []
+
+    def add(self, impl, batch, context, paged, page_size, ms, note=""):
+        tbps = None if ms is None else kv_bytes(batch, context) / (ms * 1e-3) / 1e12
+        row = dict(impl=impl, batch=batch, context=context, paged=paged, page_size=page_size,
+                   tbps=tbps, ms=ms, note=note, **self.meta)
+        self.rows.append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.rows, indent=1) + "\n")
+        shown = "null" if ms is None else f"{tbps:5.2f} TB/s {ms:8.4f} ms"
+        print(f"{impl:<12} B={batch:<3} ctx={context:<7} paged={page_size or '-':<4} {shown}  {note}", flush=True)
+
+    def get(self, impl, batch, context, page_size=None):
+        for row in self.rows:
+            if (row["impl"], row["batch"], row["context"], row["page_size"]) == (impl, batch, context, page_size):
+                return row
+        return None
+
+
+def measure(rows, impl, batch, context, page_size, calls, device, note=""):
+    try:
+        ms, mode = time_calls(calls, device)
+        rows.add(impl, batch, context, page_size is not None, page_size, ms, f"{mode}; {note}".strip("; "))
+    except Exception as error:  # noqa: BLE001 - a failing implementation is a null row
+        rows.add(impl, batch, context, page_size is not None, page_size, None,
+                 f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        if os.environ.get("DECODE_BENCH_TRACE"):
+            traceback.print_exc()
+        synchronize(device)
+
+
+def max_diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def run_contiguous(rows, batch, context, impls, device, deadline):
+    copies = copies_for(batch, context)
+    if not fits(batch, context, copies, device):
+        for impl in impls:
+            rows.add(impl, batch, context, False, None, None, "skipped: does not fit in GPU memory")
+        return
+    caches = contiguous_caches(batch, context, copies, device)
+    q = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, dtype=DTYPE, device=device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    ours = exattn.decode(q, *caches[0], cache_seqlens=lens)
+    for impl in impls:
+        if time.time() > deadline:
+            rows.add(impl, batch, context, False, None, None, "not run: past the deadline")
+            continue
+        make = (lambda: exattn_call(lens)) if impl == "exattn" else ANCHORS[impl]
+        try:
+            fn = make()
+            check = fn(q, *caches[0])
+            note = "" if impl == "exattn" else f"max|diff| vs exattn {max_diff(check, ours):.2e}"
+        except Exception as error:  # noqa: BLE001
+            rows.add(impl, batch, context, False, None, None,
+                     f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            synchronize(device)
+            continue
+        calls = [lambda k=k, v=v: fn(q, k, v) for k, v in caches]
+        measure(rows, impl, batch, context, None, calls, device, f"{copies} caches rotated; {note}")
+    del caches
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_paged(rows, batch, context, page_size, device, deadline):
+    copies = copies_for(batch, context)
+    if time.time() > deadline:
+        rows.add("exattn", batch, context, True, page_size, None, "not run: past the deadline")
+        return
+    if not fits(batch, context, copies, device):
+        rows.add("exattn", batch, context, True, page_size, None, "skipped: does not fit in GPU memory")
+        return
+    caches = paged_caches(batch, context, page_size, copies, device)
+    q = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, dtype=DTYPE, device=device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    calls = [lambda k=k, v=v, t=t: exattn.decode(q, k, v, cache_seqlens=lens, block_table=t, validate=False)
+             for k, v, t in caches]
+    exattn.decode(q, *caches[0][:2], cache_seqlens=lens, block_table=caches[0][2])  # validated once
+    measure(rows, "exattn", batch, context, page_size, calls, device, f"{copies} caches rotated")
+    del caches, calls
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sweep(path, device, deadline, shapes):
+    """Kernel configurations and split counts at a few shapes (for tuning; not the headline rows)."""
+    from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward, default_config
+    from exattn.decode import plan_splits
+
+    results = []
+    default = default_config(HEADS_Q // HEADS_K, HEAD_DIM, HEAD_DIM)
+    configs = [default] + [DecodeConfig(16, n, w, s) for n, w, s in
+                           ((64, 4, 2), (128, 4, 2), (128, 4, 3), (64, 4, 4), (128, 8, 3), (32, 4, 4))]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    for batch, context, page_size in shapes:
+        copies = copies_for(batch, context)
+        if page_size:
+            caches = paged_caches(batch, context, page_size, copies, device)
+        else:
+            caches = [(k, v, None) for k, v in contiguous_caches(batch, context, copies, device)]
+        q = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, dtype=DTYPE, device=device)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        planned = plan_splits(batch, HEADS_K, context, sms)
+        split_counts = sorted({planned, max(1, planned // 2), planned * 2}) if batch == 1 else [planned]
+        for config in configs:
+            for splits in split_counts:
+                if time.time() > deadline:
+                    break
+                calls = [lambda k=k, v=v, t=t, c=config, n=splits:
+                         decode_forward(q, k, v, lens, t, HEAD_DIM ** -0.5, n, c) for k, v, t in caches]
+                try:
+                    ms, _ = time_calls(calls, device, budget_ms=30)
+                except Exception as error:  # noqa: BLE001
+                    ms = None
+                    print("sweep failure", config, splits, type(error).__name__, str(error)[:200])
+                tbps = None if ms is None else kv_bytes(batch, context) / (ms * 1e-3) / 1e12
+                results.append(dict(batch=batch, context=context, page_size=page_size,
+                                    config=config._asdict(), splits=splits, default=config == default
+                                    and splits == planned, ms=ms, tbps=tbps))
+                print(f"sweep B={batch} ctx={context} page={page_size} {tuple(config)} splits={splits}"
+                      f"{'*' if splits == planned else ' '} "
+                      f"{'null' if ms is None else f'{tbps:.2f} TB/s {ms:.4f} ms'}", flush=True)
+        del caches
+        path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def summary(rows, batches, contexts, page_sizes):
+    print("\nimpl TB/s (ratio exattn / anchor)")
+    header = f"{'B':>3} {'ctx':>7} {'exattn':>7} " + " ".join(
+        f"{name:>14}" for name in ("cudnn", "flash", "flex")) + " " + " ".join(
+        f"{'paged' + str(p):>13}" for p in page_sizes)
+    print(header)
+    for batch in batches:
+        for context in contexts:
+            ours = rows.get("exattn", batch, context)
+            ours_tbps = ours and ours["tbps"]
+            cells = [f"{batch:>3} {context:>7} {ours_tbps or float('nan'):7.2f}"]
+            for impl in ("sdpa_cudnn", "sdpa_flash", "flex"):
+                row = rows.get(impl, batch, context)
+                tbps = row and row["tbps"]
+                ratio = ours_tbps / tbps if ours_tbps and tbps else float("nan")
+                cells.append(f"{tbps or float('nan'):6.2f} ({ratio:4.2f}x)")
+            for page_size in page_sizes:
+                row = rows.get("exattn", batch, context, page_size)
+                tbps = row and row["tbps"]
+                ratio = tbps / ours_tbps if ours_tbps and tbps else float("nan")
+                cells.append(f"{tbps or float('nan'):5.2f} ({ratio:4.2f}x)")
+            print(" ".join(cells))
+
+
+def markdown_table(path: Path) -> str:
+    """The docs table from a results file: TB/s and ms per shape, ratios to each anchor."""
+    rows = json.loads(path.read_text())
+    pick = {(r["impl"], r["batch"], r["context"], r["page_size"]): r for r in rows}
+    page_sizes = sorted({r["page_size"] for r in rows if r["page_size"]})
+    shapes = sorted({(r["batch"], r["context"]) for r in rows})
+    head = ["B", "context", "exattn TB/s (ms)", "vs cuDNN", "vs flash", "vs Flex"]
+    head += [f"paged {p} TB/s (vs contiguous)" for p in page_sizes]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def tbps(impl, batch, context, page=None):
+        row = pick.get((impl, batch, context, page))
+        return row and row["tbps"]
+
+    for batch, context in shapes:
+        ours = pick.get(("exattn", batch, context, None))
+        ours_tbps = ours and ours["tbps"]
+        cells = [str(batch), f"{context // 1024}k",
+                 f"{ours_tbps:.2f} ({ours['ms']:.4f})" if ours_tbps else "n/a"]
+        for impl in ("sdpa_cudnn", "sdpa_flash", "flex"):
+            theirs = tbps(impl, batch, context)
+            cells.append(f"{ours_tbps / theirs:.2f}x ({theirs:.2f})" if ours_tbps and theirs else "n/a")
+        for page in page_sizes:
+            paged_tbps = tbps("exattn", batch, context, page)
+            cells.append(f"{paged_tbps:.2f} ({paged_tbps / ours_tbps:.2f}x)" if paged_tbps and ours_tbps else "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--contexts", default="1024,8192,32768,131072")
+    parser.add_argument("--page-sizes", default="16,256")
+    parser.add_argument("--impls", default="exattn,sdpa_cudnn,sdpa_flash,flex")
+    parser.add_argument("--deadline-s", type=float, default=240.0, help="stop starting measurements after this")
+    parser.add_argument("--sweep", action="store_true", help="also time kernel configs and split counts")
+    parser.add_argument("--sweep-shapes", default="1x131072,8x32768,8x32768x16,8x32768x256",
+                        help="BxCONTEXT[xPAGE_SIZE],...")
+    parser.add_argument("--sweep-s", type=float, default=45.0, help="time for the sweep, after the rest")
+    parser.add_argument("--out", default=str(RESULTS / "decode-h200.json"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--table", help="print the markdown table of a results file and exit")
+    args = parser.parse_args()
+    if args.table:
+        print(markdown_table(Path(args.table)))
+        return
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.empty(1, device=device)
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
+    impls = args.impls.split(",")
+    deadline = time.time() + args.deadline_s
+    rows = Rows(Path(args.out), versions(device))
+    torch.manual_seed(0)
+    first = [impl for impl in impls if impl != "flex"]  # flex compiles per shape: measured last
+    for batch in batches:
+        for context in contexts:
+            run_contiguous(rows, batch, context, first, device, deadline)
+            for page_size in page_sizes:
+                run_paged(rows, batch, context, page_size, device, deadline)
+    if "flex" in impls:  # the anchor table's batch first
+        for batch in sorted(batches, key=lambda b: (b != 8, b)):
+            for context in contexts:
+                run_contiguous(rows, batch, context, ["flex"], device, deadline)
+    summary(rows, batches, contexts, page_sizes)
+    if args.sweep:
+        shapes = [(tuple(int(n) for n in shape.split("x")) + (None,))[:3] for shape in args.sweep_shapes.split(",")]
+        sweep_path = Path(args.out).with_name(Path(args.out).stem + "-sweep.json")
+        sweep(sweep_path, device, time.time() + args.sweep_s, shapes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The one script for a GPU device call (issue 4): the GPU tests, then the benchmarks.
+#
+#   bash benchmarks/gpu_session.sh          # pytest -m gpu, memory check, prefill table
+#   bash benchmarks/gpu_session.sh tune     # pytest -m gpu (triton tests), tile sweep, quick prefill
+#
+# Run from the repository root on the device machine (exattn is not installed
+# there: PYTHONPATH=src). Logs and JSON go to $OUT (the device tool's folder,
+# default /tmp/exattn-gpu) and results to benchmarks/results/. GPU tests run
+# in parallel workers (pytest-xdist) so kernel compilation overlaps.
+# GPU_TESTS overrides which test paths run (default: every test marked gpu).
+set -u
+MODE=${1:-full}
+OUT=${OUT:-/tmp/exattn-gpu}
+mkdir -p "$OUT" benchmarks/results
+export PYTHONPATH=src
+export NCCL_NVLS_ENABLE=0
+START=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - START ))s] $*"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
+    > "$OUT/nvidia-smi.csv" 2>&1
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())" \
+    | tee "$OUT/versions.txt"
+
+stamp "pytest -m gpu"
+TESTS=${GPU_TESTS:-tests}
+python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 12 --durations=8 $TESTS > "$OUT/pytest-gpu.log" 2>&1
+echo "pytest exit $?" >> "$OUT/pytest-gpu.log"
+tail -25 "$OUT/pytest-gpu.log"
+
+if [ "$MODE" = tune ]; then
+    stamp "tile sweep"
+    python3 benchmarks/triton_tiles.py --out "$OUT/triton-tiles-h200.json" > "$OUT/tiles.log" 2>&1
+    grep -v "^ *$" "$OUT/tiles.log" | tail -80
+    stamp "quick prefill"
+    python3 benchmarks/prefill.py --dtypes bf16 --seqlens 4096,16384 --flex-dtypes bf16 \
+        --out "$OUT/prefill-quick.json" > "$OUT/prefill-quick.log" 2>&1
+    tail -45 "$OUT/prefill-quick.log"
+else
+    stamp "memory"
+    python3 benchmarks/gpu_memory.py --out "$OUT/gpu-memory-h200.json" > "$OUT/memory.log" 2>&1
+    cp "$OUT/gpu-memory-h200.json" benchmarks/results/
+    tail -3 "$OUT/memory.log"
+    stamp "prefill"
+    python3 benchmarks/prefill.py --warmup-ms 15 --rep-ms 60 --workers 14 --flex-dtypes bf16 \
+        --out "$OUT/prefill-h200.json" > "$OUT/prefill.log" 2>&1
+    cp "$OUT/prefill-h200.json" benchmarks/results/
+    tail -90 "$OUT/prefill.log"
+fi
+stamp "done"

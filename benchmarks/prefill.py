@@ -1,0 +1,234 @@
+"""Prefill throughput on a GPU, FlashAttention's convention: exattn-triton vs SDPA and FlexAttention.
+
+batch * seqlen = 16k tokens, hidden 2048 (heads = 2048 / head_dim); seqlen
+1k..16k, head dim 64 and 128, causal off/on, bf16 and fp16. Forward and
+backward TFLOP/s with FLOPs = 4*B*H*N^2*D (halved for causal, x2.5 backward),
+timed with `triton.testing.do_bench` (median). Implementations, in the same
+run: exattn "triton", SDPA's cuDNN, flash and efficient backends, and
+FlexAttention under torch.compile. A failing implementation gives a row of
+nulls with the error. Compilation (exattn kernels, FlexAttention graphs) is
+first warmed in parallel worker processes sharing the on-disk caches.
+
+    PYTHONPATH=src python3 benchmarks/prefill.py --out benchmarks/results/prefill-h200.json
+
+--flex-dtypes caps which dtypes FlexAttention is compiled for (its compile
+is slow); cells left out are rows with "skipped" as the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import attention_flops  # noqa: E402
+
+IMPLS = ("exattn-triton", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TOKENS = 16384
+HIDDEN = 2048
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--causal", default="0,1")
+    p.add_argument("--dtypes", default="bf16,fp16")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--flex-dtypes", default="bf16,fp16")
+    p.add_argument("--warmup-ms", type=float, default=25)
+    p.add_argument("--rep-ms", type=float, default=100)
+    p.add_argument("--workers", type=int, default=12, help="processes that pre-compile in parallel (0: none)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/prefill-h200.json"))
+    return p.parse_args(argv)
+
+
+def cells(args):
+    for dtype in args.dtypes.split(","):
+        for d in (int(x) for x in args.head_dims.split(",")):
+            for causal in (bool(int(x)) for x in args.causal.split(",")):
+                for n in (int(x) for x in args.seqlens.split(",")):
+                    yield dict(dtype=dtype, head_dim=d, causal=causal, seqlen=n,
+                               batch=max(1, TOKENS // n), heads=HIDDEN // d)
+
+
+FLEX_CACHE: dict = {}
+
+
+def flex_function(cell):
+    """Compiled flex_attention and the block mask for this cell (None when not causal)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in FLEX_CACHE:
+        # One static compile per shape; raise dynamo's limits so none falls back to eager.
+        torch._dynamo.config.cache_size_limit = 256
+        torch._dynamo.config.accumulated_cache_size_limit = 1024
+        # The timed backward replays one graph (retain_graph=True): no donated buffers.
+        torch._functorch.config.donated_buffer = False
+        FLEX_CACHE["fn"] = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if cell["causal"]:
+        n = cell["seqlen"]
+        block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n, device="cuda")
+    fn = FLEX_CACHE["fn"]
+    return lambda q, k, v: fn(q, k, v, block_mask=block_mask)
+
+
+def attention_function(impl, cell):
+    """(fn(q, k, v) -> out, context manager factory) for one implementation."""
+    import contextlib
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import exattn
+
+    causal = cell["causal"]
+    if impl == "exattn-triton":
+        return (lambda q, k, v: exattn.attention(q, k, v, causal=causal, backend="triton")), contextlib.nullcontext
+    if impl == "flex":
+        return flex_function(cell), contextlib.nullcontext
+    backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+               "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[impl]
+    return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), (
+        lambda: sdpa_kernel([backend]))
+
+
+def make_inputs(cell):
+    dtype = DTYPES[cell["dtype"]]
+    shape = (cell["batch"], cell["heads"], cell["seqlen"], cell["head_dim"])
+    return [torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
+
+
+def measure(impl, cell, warmup_ms, rep_ms):
+    """(fwd_ms, bwd_ms) medians for one implementation and cell."""
+    from triton.testing import do_bench
+
+    q, k, v = make_inputs(cell)
+    fn, context = attention_function(impl, cell)
+    with context():
+        out = fn(q, k, v)
+        dout = torch.randn_like(out)
+        out.backward(dout, retain_graph=True)
+        torch.cuda.synchronize()
+        fwd = do_bench(lambda: fn(q, k, v), warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        bwd = do_bench(lambda: out.backward(dout, retain_graph=True), warmup=warmup_ms, rep=rep_ms,
+                       grad_to_none=[q, k, v], return_mode="median")
+    return fwd, bwd
+
+
+def warm_one(job):
+    """Worker: run one (impl, cell) once so its kernels land in the on-disk caches."""
+    impl, cell = job
+    try:
+        q, k, v = make_inputs(cell)
+        fn, context = attention_function(impl, cell)
+        with context():
+            out = fn(q, k, v)
+            out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # the timed run reports failures
+        return f"{impl} {cell}: {type(exc).__name__}"
+
+
+def prewarm(jobs, workers):
+    if workers <= 0 or not jobs:
+        return
+    start = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        failures = [f for f in pool.imap_unordered(warm_one, jobs) if f]
+    print(f"pre-compiled {len(jobs)} jobs in {time.time() - start:.0f}s with {workers} workers; "
+          f"{len(failures)} failed", flush=True)
+
+
+def versions() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(), "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def row_for(impl, cell, args):
+    row = dict(impl=impl, **cell, fwd_tflops=None, bwd_tflops=None, fwd_ms=None, bwd_ms=None, error=None)
+    if impl == "flex" and cell["dtype"] not in args.flex_dtypes.split(","):
+        row["error"] = "skipped (--flex-dtypes)"
+        return row
+    try:
+        fwd_ms, bwd_ms = measure(impl, cell, args.warmup_ms, args.rep_ms)
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        traceback.print_exc(limit=2)
+        torch.cuda.empty_cache()
+        return row
+    sizes = (cell["batch"], cell["heads"], cell["seqlen"], cell["seqlen"], cell["head_dim"], cell["causal"])
+    row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+               fwd_tflops=attention_flops(*sizes) / fwd_ms * 1e-9,
+               bwd_tflops=attention_flops(*sizes, backward=True) / bwd_ms * 1e-9)
+    return row
+
+
+def ratio_table(rows) -> str:
+    """Markdown: exattn TFLOP/s and its ratios to cuDNN, Flex and FA2, per cell."""
+    index = {(r["impl"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]): r for r in rows}
+    lines = ["| dtype | d | causal | N | pass | exattn | cuDNN | x cuDNN | Flex | x Flex | FA2 | x FA2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def fmt(x):
+        return "-" if x is None else f"{x:.0f}"
+
+    def ratio(a, b):
+        return "-" if a is None or b is None else f"{a / b:.2f}"
+
+    for key, ours in index.items():
+        if key[0] != "exattn-triton":
+            continue
+        for pass_ in ("fwd", "bwd"):
+            col = f"{pass_}_tflops"
+            others = [index.get((impl,) + key[1:], {}).get(col) for impl in ("sdpa-cudnn", "flex", "sdpa-flash")]
+            x = ours[col]
+            lines.append(f"| {key[1]} | {key[2]} | {int(key[3])} | {key[4]} | {pass_} | {fmt(x)} | "
+                         + " | ".join(f"{fmt(o)} | {ratio(x, o)}" for o in others) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    impls = args.impls.split(",")
+    all_cells = list(cells(args))
+    jobs = [(impl, cell) for cell in all_cells for impl in impls
+            if impl == "exattn-triton" or (impl == "flex" and cell["dtype"] in args.flex_dtypes.split(","))]
+    prewarm(jobs, args.workers)
+    meta = versions()
+    print(json.dumps(meta), flush=True)
+    rows = []
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    for cell in all_cells:
+        for impl in impls:
+            row = row_for(impl, cell, args)
+            rows.append(row)
+            print(f"{impl:15s} {cell['dtype']} d={cell['head_dim']} causal={int(cell['causal'])} "
+                  f"N={cell['seqlen']:5d} fwd={row['fwd_tflops'] or 0:6.1f} bwd={row['bwd_tflops'] or 0:6.1f} "
+                  f"{row['error'] or ''}", flush=True)
+            out_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(ratio_table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""Ring attention across GPUs (NCCL) or CPU processes (gloo): forward+backward per device vs one device.
+
+Two H200s (about 3-5 minutes; writes ring-h200x2.json):
+
+    export NCCL_NVLS_ENABLE=0        # never NVLink multicast
+    PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/ring.py --out benchmarks/results
+
+Four / eight GPUs, up to 1M tokens (issue 8):
+
+    PYTHONPATH=src torchrun --nproc-per-node 4 benchmarks/ring.py --lengths 64k,128k,256k,512k --out benchmarks/results
+    PYTHONPATH=src torchrun --nproc-per-node 8 benchmarks/ring.py --lengths 128k,256k,512k,1M --out benchmarks/results
+
+CPU, gloo, eight processes (a correctness run at world size 8; CPU timings mean little):
+
+    PYTHONPATH=src torchrun --nproc-per-node 8 benchmarks/ring.py --device cpu --dtype float32 \
+        --lengths 2k --heads 2 --dim 64 --check-len 256 --out benchmarks/results
+
+Without torchrun the script spawns --nproc processes itself. Each run first
+checks ring attention against single-device exattn and the float64 oracle
+(shared error rule, tests/error_rule.py) on a small shape, then times, for each
+total length N on W devices: ring fwd+bwd (causal, default zigzag) on N/W
+tokens per device, and single-device `exattn.attention` fwd+bwd at the per-device
+length N/W. FLOPs: 4*B*H*N^2*D/2 per causal forward, x2.5 for backward; ring
+per-device FLOPs = total / W; efficiency = per-device TFLOP/s / single-device TFLOP/s.
+A failing configuration becomes a row of nulls with the error. Rows are written
+as they finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import exattn  # noqa: E402
+from common import attention_flops  # noqa: E402
+from error_rule import FLOORS, max_abs_error  # noqa: E402
+from exattn.distributed import ring_attention, shard  # noqa: E402
+from exattn.distributed.ring import local_backend_name  # noqa: E402
+from exattn.reference import attention_ref  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+GIB = 1024 ** 3
+
+
+def parse_length(text: str) -> int:
+    text = text.strip()
+    factor = {"k": 1024, "K": 1024, "m": 1024 ** 2, "M": 1024 ** 2}.get(text[-1], 1)
+    return int(text[:-1] if factor > 1 else text) * factor
+
+
+def causal_flops(args, length: int, mode: str) -> float:
+    """FLOPs of causal attention over `length` tokens: forward, or forward + backward (x3.5)."""
+    forward = attention_flops(args.batch, args.heads, length, length, args.dim, causal=True)
+    backward = attention_flops(args.batch, args.heads, length, length, args.dim, causal=True, backward=True)
+    return forward + (backward if mode == "fwd_bwd" else 0.0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def all_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_ok(ok: bool, device: torch.device) -> bool:
+    return all_max(0.0 if ok else 1.0, device) == 0.0
+
+
+def fwd_bwd(attend, q, k, v, dout):
+    """(out, dq, dk, dv) of one forward and backward."""
+    out = attend(q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def seconds_per_call(fn, device, warmup: int, repeat: int, min_time: float) -> float:
+    """Mean seconds of `fn` after warm-up, the slowest rank's; repeats until about `min_time` seconds."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    once = all_max(time.perf_counter() - start, device)
+    repeat = max(repeat, min(1000, int(min_time / max(once, 1e-6))))
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync(device)
+    return all_max((time.perf_counter() - start) / repeat, device)
+
+
+def peak_gib(fn, device) -> float | None:
+    """Peak allocated memory of one call (inputs included), the largest rank's."""
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    sync(device)
+    return all_max(torch.cuda.max_memory_allocated(device) / GIB, device)
+
+
+def random_inputs(args, length: int, device, seed: int, requires_grad=True):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[args.dtype]
+    shapes = [(args.batch, args.heads, length, args.dim), (args.batch, args.kv_heads, length, args.dim),
+              (args.batch, args.kv_heads, length, args.dim), (args.batch, args.heads, length, args.dim)]
+    xs = [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
+    return [x.requires_grad_(requires_grad and i < 3) for i, x in enumerate(xs)]
+
+
+def check(args, layout: str, rank: int, world: int, device) -> dict:
+    """Ring vs single-device exattn vs float64 oracle on the full tensors, with the shared rule."""
+    q, k, v, dout = random_inputs(args, args.check_len, device, seed=1234)
+    shards = [shard(x.detach(), rank, world, layout).requires_grad_() for x in (q, k, v)]
+    ring = fwd_bwd(lambda *t: ring_attention(*t, causal=True, layout=layout),
+                   *shards, shard(dout, rank, world, layout))
+    single = fwd_bwd(lambda *t: exattn.attention(*t, causal=True), q, k, v, dout)
+    naive = fwd_bwd(lambda *t: exattn.attention(*t, causal=True, backend="naive"), q, k, v, dout)
+    full64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = fwd_bwd(lambda *t: attention_ref(*t, causal=True), *full64, dout.double())
+    result, ok = {"layout": layout, "total_len": args.check_len}, True
+    for name, a, s, n, r in zip(("out", "dq", "dk", "dv"), ring, single, naive, ref):
+        s, n, r = (shard(x, rank, world, layout) for x in (s, n, r))
+        floor = FLOORS[q.dtype] * max(1.0, float(r.abs().max()))
+        errs = [all_max(max_abs_error(x, r), device) for x in (a, s, n)]
+        bad = all_max(float(torch.isnan(a).any()), device) > 0
+        passed = not bad and errs[0] <= 2 * errs[2] + floor
+        result[name] = {"err_ring": errs[0], "err_single": errs[1], "err_naive": errs[2],
+                        "ring_vs_single": all_max(max_abs_error(a, s), device), "passed": passed}
+        ok &= passed
+    result["passed"] = ok
+    return result
+
+
+def measure(args, total_len: int, rank: int, world: int, device) -> dict:
+    """One row: ring on total_len / world tokens per device vs one device at that length."""
+    n = total_len // world
+    q, k, v, dout = random_inputs(args, n, device, seed=rank)
+    attends = {
+        "ring": lambda *t: ring_attention(*t, causal=True, layout=args.layout),
+        "single": lambda *t: exattn.attention(*t, causal=True),
+    }
+    row = {"world": world, "total_len": total_len, "per_gpu_len": n}
+    timing = (device, args.warmup, args.repeat, args.min_time)
+    for name, attend in attends.items():
+        with torch.no_grad():
+            row[f"{name}_fwd_ms"] = 1e3 * seconds_per_call(lambda: attend(q, k, v), *timing)
+        row[f"{name}_ms"] = 1e3 * seconds_per_call(lambda: fwd_bwd(attend, q, k, v, dout), *timing)
+        peak_key = "peak_mem_gib" if name == "ring" else "single_peak_mem_gib"
+        row[peak_key] = peak_gib(lambda: fwd_bwd(attend, q, k, v, dout), device)
+    for suffix, mode in (("", "fwd_bwd"), ("_fwd", "fwd")):
+        total, local = causal_flops(args, total_len, mode), causal_flops(args, n, mode)
+        row[f"per_gpu{suffix}_tflops"] = total / world / (row[f"ring{suffix}_ms"] * 1e-3) / 1e12
+        row[f"single_gpu{suffix}_tflops"] = local / (row[f"single{suffix}_ms"] * 1e-3) / 1e12
+        efficiency_key = "efficiency" if mode == "fwd_bwd" else "fwd_efficiency"
+        row[efficiency_key] = row[f"per_gpu{suffix}_tflops"] / row[f"single_gpu{suffix}_tflops"]
+    return row
+
+
+def full_length_peak(args, total_len: int, rank: int, device) -> float | None:
+    """Peak memory of one device's exattn fwd+bwd on the whole sequence (rank 0): the 1/W baseline."""
+    value = None
+    if rank == 0 and device.type == "cuda":
+        q, k, v, dout = random_inputs(args, total_len, device, seed=7)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        fwd_bwd(lambda *t: exattn.attention(*t, causal=True), q, k, v, dout)
+        sync(device)
+        value = torch.cuda.max_memory_allocated(device) / GIB
+        del q, k, v, dout
+    return value
+
+
+NULL_ROW_KEYS = ("ring_ms", "single_ms", "per_gpu_tflops", "single_gpu_tflops", "efficiency",
+                 "peak_mem_gib", "single_peak_mem_gib", "ring_fwd_ms", "single_fwd_ms",
+                 "per_gpu_fwd_tflops", "single_gpu_fwd_tflops", "fwd_efficiency")
+
+
+def guarded(fn, device, fallback):
+    """fn() on every rank; if any rank fails, every rank returns fallback with the error text."""
+    try:
+        value, error = fn(), None
+    except Exception as exc:  # a failing config becomes a null row, not a crash
+        value, error = None, f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not all_ok(error is None, device):
+        return fallback(error or "failed on another rank")
+    return value
+
+
+def environment(args, device, world: int) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    env = {"device": name, "world": world, "torch": torch.__version__, "exattn": exattn.__version__,
+           "python": platform.python_version(), "backend_dist": dist.get_backend(),
+           "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE")}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        env["cuda"] = torch.version.cuda
+        version = torch.cuda.nccl.version()
+        env["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    shape_keys = ("batch", "heads", "kv_heads", "dim", "dtype", "layout", "warmup", "repeat", "min_time")
+    env.update({k: getattr(args, k) for k in shape_keys})
+    env["causal"] = True
+    env["flops"] = "4*B*H*N^2*D/2 per causal fwd, x2.5 bwd; ring per-device = total/world"
+    return env
+
+
+def output_path(args, device, world: int) -> Path:
+    if args.name:
+        return Path(args.out) / args.name
+    if device.type == "cuda":
+        tag = "h200" if "H200" in torch.cuda.get_device_name(device) else "gpu"
+    else:
+        tag = "cpu"
+    return Path(args.out) / f"ring-{tag}x{world}.json"
+
+
+def run(args) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=args.timeout))
+    else:
+        torch.set_num_threads(max(1, args.threads))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    probe = random_inputs(args, max(2, args.check_len // world), device, seed=0, requires_grad=False)
+    report = {"env": environment(args, device, world),
+              "local_backend": local_backend_name(*probe[:3], True, args.dim ** -0.5),
+              "single_backend": exattn.explain_backend(*probe[:3], causal=True).name,
+              "checks": [], "rows": []}
+    path = output_path(args, device, world)
+
+    def save():
+        if rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=2))
+            print(f"wrote {path}", flush=True)
+
+    for layout in dict.fromkeys((args.layout, "contiguous")):
+        result = guarded(lambda: check(args, layout, rank, world, device), device,
+                         lambda e: {"layout": layout, "passed": False, "error": e})
+        report["checks"].append(result)
+        if rank == 0:
+            print(json.dumps(result), flush=True)
+    save()
+    lengths = [parse_length(x) for x in args.lengths.split(",")]
+    if use_cuda and report["local_backend"] != "triton":
+        report["note"] = "the triton backend cannot serve these inputs; timing only lengths <= 16k with tiled"
+        lengths = [n for n in lengths if n <= 16384]
+    for total_len in lengths:
+        null_row = {"world": world, "total_len": total_len, **dict.fromkeys(NULL_ROW_KEYS)}
+        row = guarded(lambda: measure(args, total_len, rank, world, device), device,
+                      lambda e: {**null_row, "error": e})
+        row["full_len_single_peak_mem_gib"] = None
+        if use_cuda and total_len <= parse_length(args.full_mem_max):
+            peak = guarded(lambda: full_length_peak(args, total_len, rank, device), device, lambda e: None)
+            row["full_len_single_peak_mem_gib"] = peak
+        report["rows"].append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+        save()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def markdown_table(path: str) -> str:
+    """The rows of a results file as a markdown table, for docs/performance.md."""
+    report = json.loads(Path(path).read_text())
+    env = report["env"]
+    lines = [f"{env['device']} x{env['world']}, torch {env['torch']}, triton {env.get('triton')}, "
+             f"{env['dtype']}, B={env['batch']}, H={env['heads']}, Hk={env['kv_heads']}, D={env['dim']}, "
+             f"causal {env['layout']}, local backend {report['local_backend']}; checks passed: "
+             f"{all(c.get('passed') for c in report['checks'])}", "",
+             "| world | total len | per-GPU len | ring TFLOP/s per GPU | single TFLOP/s | efficiency "
+             "| fwd efficiency | peak GiB per GPU | single at full len GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def fmt(x, spec):
+        return "n/a" if x is None else format(x, spec)
+
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['world']} | {r['total_len']} | {r.get('per_gpu_len', r['total_len'] // r['world'])} "
+            f"| {fmt(r.get('per_gpu_tflops'), '.3g')} | {fmt(r.get('single_gpu_tflops'), '.3g')} "
+            f"| {fmt(r.get('efficiency'), '.1%')} | {fmt(r.get('fwd_efficiency'), '.1%')} "
+            f"| {fmt(r.get('peak_mem_gib'), '.2f')} | {fmt(r.get('full_len_single_peak_mem_gib'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawned(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run(args)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="32k,64k,128k,256k", help="total sequence lengths, e.g. 32k,64k,1M")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=3, help="timed calls at least")
+    p.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls at least")
+    p.add_argument("--check-len", type=int, default=4096, help="total length of the correctness check")
+    p.add_argument("--full-mem-max", default="256k", help="measure single-device memory at the full length up to this")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
+    p.add_argument("--timeout", type=int, default=300, help="seconds before a stuck collective fails")
+    p.add_argument("--nproc", type=int, default=None, help="processes to spawn without torchrun")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--name", default=None, help="output file name, default ring-<gpu>x<world>.json")
+    p.add_argument("--table", default=None, metavar="JSON", help="print a results file as markdown and exit")
+    args = p.parse_args(argv)
+    if args.table:
+        print(markdown_table(args.table))
+        return
+    args.kv_heads = args.kv_heads or args.heads
+    args.dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
+    if "RANK" in os.environ:
+        run(args)
+        return
+    world = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() and args.device != "cpu" else 2)
+    mp.spawn(spawned, args=(world, free_port(), args), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()

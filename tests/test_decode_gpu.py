@@ -1,0 +1,101 @@
+"""exattn.decode's Triton kernels compiled on a CUDA GPU, in bfloat16 (run with -m gpu)."""
+
+import pytest
+import torch
+
+import exattn
+from exattn.reference import attention_ref
+from error_rule import assert_matches_oracle
+from test_decode import paged
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+BF16 = torch.bfloat16
+
+
+def make_case(batch, heads_q, heads_k, len_q, capacity, head_dim, seed=0, value_dim=None, lengths=None):
+    """bf16 q and contiguous caches on the GPU, stale slots NaN, ragged lengths in [Nq, capacity]."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    value_dim = value_dim or head_dim
+    q = torch.randn(batch, heads_q, len_q, head_dim, generator=g, device="cuda").to(BF16)
+    k = torch.randn(batch, heads_k, capacity, head_dim, generator=g, device="cuda").to(BF16)
+    v = torch.randn(batch, heads_k, capacity, value_dim, generator=g, device="cuda").to(BF16)
+    if lengths is None:
+        lengths = torch.randint(len_q, capacity + 1, (batch,), generator=g, device="cuda")
+        lengths[0] = capacity
+    lens = torch.as_tensor(lengths, dtype=torch.int32, device="cuda")
+    for b, length in enumerate(lens.tolist()):
+        k[b, :, length:] = float("nan")
+        v[b, :, length:] = float("nan")
+    return q, k, v, lens
+
+
+def assert_matches_attention(name, out, lse, q, k, v, lens, batches=None):
+    assert out.dtype == BF16 and lse.dtype == torch.float32
+    for b in batches or range(q.shape[0]):
+        length = int(lens[b])
+        args = (q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length])
+        ref_out, ref_lse = attention_ref(*args, causal=True, return_lse=True)
+        naive_out, naive_lse = exattn.attention(*args, causal=True, backend="naive", return_lse=True)
+        assert_matches_oracle(f"{name} out[{b}]", out[b:b + 1], naive_out, ref_out, BF16)
+        assert_matches_oracle(f"{name} lse[{b}]", lse[b:b + 1], naive_lse, ref_lse, BF16)
+
+
+@pytest.mark.parametrize("len_q", (1, 4, 16))
+@pytest.mark.parametrize("num_splits", (0, 1, 7, 64))
+def test_bf16_llama_shapes(len_q, num_splits):
+    q, k, v, lens = make_case(4, 32, 8, len_q, 5000, 128, seed=len_q)
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, num_splits=num_splits, return_lse=True)
+    assert_matches_attention(f"Nq={len_q} splits={num_splits}", out, lse, q, k, v, lens)
+
+
+@pytest.mark.parametrize("page_size", (16, 24, 64, 256))
+def test_bf16_paged_equals_contiguous(page_size):
+    q, k, v, lens = make_case(5, 32, 8, 1, 3000, 128, seed=page_size)
+    k_pages, v_pages, table = paged(k, v, lens, page_size)
+    for num_splits in (0, 1, 5):
+        kwargs = dict(cache_seqlens=lens, num_splits=num_splits, return_lse=True)
+        out, lse = exattn.decode(q, k_pages, v_pages, block_table=table, **kwargs)
+        assert_matches_attention(f"paged {page_size}", out, lse, q, k, v, lens)
+        flat_out, flat_lse = exattn.decode(q, k, v, **kwargs)
+        torch.testing.assert_close(out, flat_out, rtol=0, atol=1e-2)
+        torch.testing.assert_close(lse, flat_lse, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 8, 64, 64), (6, 2, 2, 96, 96), (4, 4, 3, 256, 128), (4, 4, 1, 59, 40)],
+                         ids=("mqa-128rows", "gqa-d96", "d256", "d59-dv40"))
+def test_bf16_head_dims_and_groups(shape):
+    heads_q, heads_k, len_q, head_dim, value_dim = shape
+    q, k, v, lens = make_case(3, heads_q, heads_k, len_q, 700, head_dim, value_dim=value_dim)
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True, num_splits=3)
+    assert_matches_attention(str(shape), out, lse, q, k, v, lens)
+
+
+def test_bf16_offsets_beyond_int32():
+    """16 x 8 x 131072 x 128 = 2**31 elements per cache: the last sequence's keys lie past int32 offsets."""
+    q, k, v, lens = make_case(16, 32, 8, 1, 131072, 128, lengths=[131072] * 15 + [131000])
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True)
+    assert_matches_attention("int64 offsets", out, lse, q, k, v, lens, batches=[0, 15])
+
+
+def test_cuda_graph_capture_with_validate_false():
+    """validate=False never syncs, so decode can be captured; replays read the current lengths."""
+    q, k, v, full = make_case(4, 32, 8, 1, 4096, 128, lengths=[4096] * 4)
+    k_pages, v_pages, table = paged(k, v, full, 64)
+    lens = torch.tensor([4096, 100, 2000, 1], dtype=torch.int32, device="cuda")
+    kwargs = dict(cache_seqlens=lens, block_table=table, num_splits=0, validate=False)
+    exattn.decode(q, k_pages, v_pages, **kwargs)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = exattn.decode(q, k_pages, v_pages, **kwargs)
+    lens.copy_(torch.tensor([4000, 1000, 1, 3333], dtype=torch.int32))  # the next step's lengths
+    graph.replay()
+    torch.cuda.synchronize()
+    out, lse = exattn.decode(q, k_pages, v_pages, cache_seqlens=lens, block_table=table, return_lse=True)
+    assert torch.equal(captured, out)
+    assert_matches_attention("graph", out, lse, q, k, v, lens)
+    again = exattn.decode(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)
+    assert torch.equal(out, again)  # run to run, bitwise

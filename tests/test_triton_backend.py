@@ -1,0 +1,215 @@
+"""The Triton kernels, run on the CPU through Triton's interpreter, judged by the shared error rule.
+
+Shapes are tiny and awkward (ragged tails, Nq = 1, Nq > Nk, head dims that are
+not powers of two) so every path of the kernels runs: masked and full tiles,
+TMA descriptors and plain pointers, every mask kind, GQA, dropout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+# The interpreter's numpy calls emit DeprecationWarnings by the thousand.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)", allow_module_level=True)
+
+import exattn  # noqa: E402
+from exattn.backends import get_backend  # noqa: E402
+from exattn.backends.tiled import tiled_backward, tiled_forward  # noqa: E402
+from exattn.backends.triton import settings  # noqa: E402
+from exattn.problem import make_problem  # noqa: E402
+from exattn.reference import attention_ref  # noqa: E402
+from error_rule import assert_matches_oracle  # noqa: E402
+
+SEED = 1234
+
+
+def make_inputs(b, hq, hk, nq, nk, d, dv, dtype, scale_inputs=1.0, layout="bhnd"):
+    """Fresh random q, k, v with requires_grad; layout "bnhd" gives transposed (strided) views."""
+    def one(h, n, dim):
+        if layout == "bnhd":
+            x = torch.randn(b, n, h, dim, dtype=torch.float32).transpose(1, 2)
+        else:
+            x = torch.randn(b, h, n, dim, dtype=torch.float32)
+        return (x * scale_inputs).to(dtype).requires_grad_()
+    return one(hq, nq, d), one(hk, nk, d), one(hk, nk, dv)
+
+
+def run_with_grads(q, k, v, dout, **kwargs):
+    out, lse = exattn.attention(q, k, v, return_lse=True, **kwargs)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    return out, lse, grads
+
+
+def check_against_oracle(q, k, v, *, dropout_p=0.0, **kwargs):
+    """Triton vs naive (same dtype) vs float64 oracle: out, lse, dq, dk, dv."""
+    dout = torch.randn(q.shape[:3] + (v.shape[3],)).to(q.dtype)
+    common = dict(kwargs, dropout_p=dropout_p, seed=SEED)
+    ours = run_with_grads(q, k, v, dout, backend="triton", **common)
+    naive = run_with_grads(q, k, v, dout, backend="naive", **common)
+    ref_kwargs = {key: val for key, val in kwargs.items() if key not in ("block_m", "block_n")}
+    if dropout_p > 0:
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        ref_kwargs.update(dropout_mask=exattn.dropout_mask(SEED, shape, dropout_p), dropout_p=dropout_p)
+    ref_out, ref_lse = attention_ref(q, k, v, return_lse=True, **ref_kwargs)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout.to(torch.float64))
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, a, b, r in zip(names, (ours[0], ours[1], *ours[2]), (naive[0], naive[1], *naive[2]),
+                             (ref_out, ref_lse, *ref_grads)):
+        assert a.dtype == (torch.float32 if name == "lse" else q.dtype), name
+        assert_matches_oracle(name, a, b, r, q.dtype)
+    return ours
+
+
+# (B, Hq, Hk, Nq, Nk, D, Dv, dtype, attention kwargs)
+CASES = [
+    pytest.param(1, 2, 1, 37, 45, 24, 40, torch.float32, {}, id="gqa-dv-ne-d"),
+    pytest.param(1, 2, 2, 60, 20, 59, 16, torch.float16, dict(causal=True), id="causal-nq-gt-nk-d59"),
+    pytest.param(2, 1, 1, 1, 70, 32, 32, torch.float32, dict(causal=True), id="nq1-causal"),
+    pytest.param(1, 1, 1, 33, 70, 40, 24, torch.float16, dict(window=(5, 3), block_m=16, block_n=16),
+                 id="window"),
+    pytest.param(1, 2, 1, 50, 50, 16, 16, torch.float32, dict(window=(7, -1), causal=True), id="causal+left"),
+    pytest.param(1, 4, 1, 64, 64, 32, 32, torch.float16, dict(causal=True, block_m=16, block_n=32),
+                 id="mqa-even-tiles"),
+    pytest.param(1, 1, 1, 20, 33, 160, 100, torch.float32, {}, id="d160"),
+    pytest.param(1, 2, 1, 29, 41, 24, 24, torch.float16, dict(window=(0, 4), block_m=32, block_n=16),
+                 id="right-window-only"),
+]
+
+
+@pytest.mark.parametrize("b, hq, hk, nq, nk, d, dv, dtype, kwargs", CASES)
+def test_matches_oracle(b, hq, hk, nq, nk, d, dv, dtype, kwargs):
+    torch.manual_seed(0)
+    check_against_oracle(*make_inputs(b, hq, hk, nq, nk, d, dv, dtype), **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strided_inputs_and_huge_logits(dtype):
+    torch.manual_seed(1)
+    q, k, v = make_inputs(1, 2, 1, 31, 47, 32, 32, dtype, scale_inputs=8.0, layout="bnhd")
+    check_against_oracle(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masks_with_broadcast_and_fully_masked_rows(kind):
+    torch.manual_seed(2)
+    q, k, v = make_inputs(2, 2, 1, 23, 38, 24, 24, torch.float16)
+    if kind == "bool":
+        mask = torch.rand(1, 2, 23, 38) > 0.4
+        mask[:, :, 5] = False  # fully masked rows
+    else:
+        mask = torch.randn(2, 1, 1, 38)
+        mask[..., 30:] = float("-inf")
+    out, lse, grads = check_against_oracle(q, k, v, mask=mask, causal=kind == "additive")
+    if kind == "bool":
+        assert torch.all(out[:, :, 5] == 0) and torch.all(lse[:, :, 5] == float("-inf"))
+        assert torch.all(grads[0][:, :, 5] == 0)
+
+
+def test_fully_masked_rows_from_causal_give_zero_and_no_nan():
+    torch.manual_seed(3)
+    q, k, v = make_inputs(1, 1, 1, 40, 9, 16, 16, torch.float32)
+    out, lse, (dq, dk, dv) = check_against_oracle(q, k, v, causal=True)
+    assert torch.all(out[:, :, :31] == 0) and torch.all(lse[:, :, :31] == float("-inf"))
+    assert torch.all(dq[:, :, :31] == 0)
+    assert not any(torch.isnan(x).any() for x in (out, dq, dk, dv))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dropout_is_the_shared_philox_mask(dtype):
+    torch.manual_seed(4)
+    q, k, v = make_inputs(1, 2, 1, 35, 43, 24, 32, dtype)
+    check_against_oracle(q, k, v, dropout_p=0.3, causal=dtype == torch.float16)
+
+
+def test_reruns_are_bitwise_identical():
+    torch.manual_seed(5)
+    q, k, v = make_inputs(1, 4, 2, 45, 45, 32, 32, torch.float16)
+    dout = torch.randn(1, 4, 45, 32).to(torch.float16)
+    first = run_with_grads(q, k, v, dout, backend="triton", causal=True, dropout_p=0.2, seed=9)
+    second = run_with_grads(q, k, v, dout, backend="triton", causal=True, dropout_p=0.2, seed=9)
+    for a, b in zip((first[0], first[1], *first[2]), (second[0], second[1], *second[2])):
+        assert torch.equal(a, b)
+
+
+def test_tma_and_pointer_paths_agree_bitwise(monkeypatch):
+    torch.manual_seed(6)
+    q, k, v = make_inputs(1, 2, 1, 37, 45, 32, 16, torch.float16)
+    dout = torch.randn(1, 2, 37, 16).to(torch.float16)
+    with_tma = run_with_grads(q, k, v, dout, backend="triton", window=(9, 2))
+    monkeypatch.setattr(settings, "use_tma", False)
+    without = run_with_grads(q, k, v, dout, backend="triton", window=(9, 2))
+    for a, b in zip((with_tma[0], *with_tma[2]), (without[0], *without[2])):
+        assert torch.equal(a, b)
+
+
+def test_atomic_dq_flag_matches_oracle(monkeypatch):
+    monkeypatch.setattr(settings, "atomic_dq", True)
+    torch.manual_seed(7)
+    check_against_oracle(*make_inputs(1, 4, 2, 37, 29, 24, 24, torch.float32), causal=True)
+
+
+def test_raw_passes_match_tiled_and_accept_strided_lse():
+    torch.manual_seed(8)
+    q, k, v = (x.detach() for x in make_inputs(1, 2, 1, 40, 40, 16, 16, torch.float32))
+    problem = make_problem(q, k, v, causal=True)
+    backend = get_backend("triton")
+    out, lse = backend.forward(q, k, v, None, problem.params)
+    ref_out, ref_lse = tiled_forward(q, k, v, None, problem.params)
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse.float())
+    dout = torch.randn_like(out)
+    wide_lse = torch.randn(1, 2, 80)
+    wide_lse[..., 10:50] = lse
+    grads = backend.backward(dout, q, k, v, None, out, wide_lse[..., 10:50], problem.params)
+    for ours, ref in zip(grads, tiled_backward(dout, q, k, v, None, out, lse, problem.params)):
+        torch.testing.assert_close(ours, ref)
+
+
+def test_empty_keys_and_queries():
+    q, k, v = (torch.randn(1, 1, n, 16) for n in (5, 0, 0))
+    out, lse = exattn.attention(q, k, v, backend="triton", return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    q = torch.randn(1, 1, 0, 16)
+    k, v = torch.randn(1, 1, 7, 16), torch.randn(1, 1, 7, 16)
+    assert exattn.attention(q, k, v, backend="triton").shape == (1, 1, 0, 16)
+
+
+def problem_of(dtype=torch.float32, d=16, **kwargs):
+    q, k, v = (torch.randn(1, 1, 8, d, dtype=dtype) for _ in range(3))
+    return make_problem(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(dtype=torch.float64), "float64"),
+    (dict(d=300), "head dim D=300"),
+    (dict(block_m=24), "block_m=24"),
+    (dict(block_n=512), "block_n=512"),
+])
+def test_reasons_name_what_cannot_be_served(kwargs, expected):
+    reasons = get_backend("triton").not_supported_reasons(problem_of(**kwargs))
+    assert any(expected in r for r in reasons), reasons
+    q = problem_of(**kwargs)
+    with pytest.raises(ValueError, match="triton"):
+        exattn.attention(q.q, q.k, q.v, backend="triton", block_m=q.params.block_m,
+                         block_n=q.params.block_n)
+
+
+def test_auto_picks_tiled_on_cpu_and_explains_why():
+    q, k, v = (torch.randn(1, 1, 8, 16) for _ in range(3))
+    choice = exattn.explain_backend(q, k, v)
+    assert choice.name == "tiled"
+    assert any("CUDA" in r for r in choice.rejected["triton"])
+    assert get_backend("triton").not_supported_reasons(make_problem(q, k, v)) == []
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    reasons = get_backend("triton").not_supported_reasons(problem_of())
+    assert any("TRITON_INTERPRET" in r for r in reasons)
