@@ -281,7 +281,7 @@ def run_paged(rows, batch, context, page_size, device, deadline):
         torch.cuda.empty_cache()
 
 
-def sweep(path, device, deadline, shapes):
+def sweep(path, device, deadline, shapes, default_only=False):
     """Kernel configurations and split counts at a few shapes (for tuning; not the headline rows)."""
     from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward, default_config
     from exattn.decode import plan_splits
@@ -290,6 +290,7 @@ def sweep(path, device, deadline, shapes):
     default = default_config(HEADS_Q // HEADS_K, HEAD_DIM, HEAD_DIM)
     configs = [default] + [DecodeConfig(16, n, w, s) for n, w, s in
                            ((64, 4, 2), (128, 4, 2), (128, 4, 3), (64, 4, 4), (128, 8, 3), (32, 4, 4))]
+    configs = configs[:1] if default_only else configs
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     for batch, context, page_size in shapes:
         copies = copies_for(batch, context)
@@ -300,7 +301,7 @@ def sweep(path, device, deadline, shapes):
         q = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, dtype=DTYPE, device=device)
         lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         planned = plan_splits(batch, HEADS_K, context, sms)
-        split_counts = sorted({planned, max(1, planned // 2), planned * 2}) if batch == 1 else [planned]
+        split_counts = sorted({max(1, planned // 2), planned, planned * 2, planned * 3})
         for config in configs:
             for splits in split_counts:
                 if time.time() > deadline:
@@ -387,6 +388,9 @@ def main() -> None:
     parser.add_argument("--sweep-shapes", default="1x131072,8x32768,8x32768x16,8x32768x256",
                         help="BxCONTEXT[xPAGE_SIZE],...")
     parser.add_argument("--sweep-s", type=float, default=45.0, help="time for the sweep, after the rest")
+    parser.add_argument("--sweep-default-only", action="store_true",
+                        help="sweep only split counts, with the default kernel configuration")
+    parser.add_argument("--no-main", action="store_true", help="skip the main table (with --sweep)")
     parser.add_argument("--out", default=str(RESULTS / "decode-h200.json"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--table", help="print the markdown table of a results file and exit")
@@ -405,6 +409,8 @@ def main() -> None:
     rows = Rows(Path(args.out), versions(device))
     torch.manual_seed(0)
     first = [impl for impl in impls if impl != "flex"]  # flex compiles per shape: measured last
+    if args.no_main:
+        batches, impls, first = [], [], []
     for batch in batches:
         for context in contexts:
             run_contiguous(rows, batch, context, first, device, deadline)
@@ -414,11 +420,12 @@ def main() -> None:
         for batch in sorted(batches, key=lambda b: (b != 8, b)):
             for context in contexts:
                 run_contiguous(rows, batch, context, ["flex"], device, deadline)
-    summary(rows, batches, contexts, page_sizes)
+    if batches:
+        summary(rows, batches, contexts, page_sizes)
     if args.sweep:
         shapes = [(tuple(int(n) for n in shape.split("x")) + (None,))[:3] for shape in args.sweep_shapes.split(",")]
         sweep_path = Path(args.out).with_name(Path(args.out).stem + "-sweep.json")
-        sweep(sweep_path, device, time.time() + args.sweep_s, shapes)
+        sweep(sweep_path, device, time.time() + args.sweep_s, shapes, args.sweep_default_only)
 
 
 if __name__ == "__main__":

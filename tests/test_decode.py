@@ -7,6 +7,8 @@ with the shared error rule, per sequence. Cache slots past a sequence's length
 
 import os
 
+import math
+
 import pytest
 import torch
 
@@ -180,26 +182,32 @@ def test_auto_picks_triton_only_on_cuda():
 
 def test_plan_splits_fills_the_gpu_only_when_needed():
     h200 = dict(num_sms=132)
-    assert plan_splits(64, 8, 131072, **h200) == 1  # 512 programs already fill 132 SMs
+    assert plan_splits(64, 8, 131072, **h200) == 3  # 512 programs = 1.3 resident waves; 3 splits = 3.9
+    assert plan_splits(64, 8, 131072, **h200, resident_per_sm=2) == 1  # 1.94 waves: nearly whole
     assert plan_splits(1, 8, 131072, **h200) >= 16  # one sequence: splitting keeps the GPU busy
     few = plan_splits(8, 8, 131072, **h200)
     assert 2 <= few <= 8
     assert plan_splits(1, 8, 100, **h200) == 1  # 2 key blocks: nothing worth splitting
-    assert plan_splits(1, 1, 10**6, num_sms=1, programs_per_sm=1) == 1  # one slot: splits buy nothing
+    assert plan_splits(1, 1, 10**6, num_sms=1, saturating_per_sm=1, resident_per_sm=1) == 1  # one slot
 
 
 @pytest.mark.parametrize("batch", (1, 2, 3, 8, 20, 33, 64, 200))
 @pytest.mark.parametrize("seqlen", (1, 63, 1000, 32768, 131072))
 def test_plan_splits_bounds(batch, seqlen):
-    programs, slots = batch * 8, 132 * 2
+    programs = batch * 8
+    slots = 132 * 2 if programs < 132 * 2 else 132 * 3  # saturating, then resident programs
     most = max(1, min(128, -(-seqlen // 64) // 4))  # each split keeps >= 4 key blocks of 64
-    splits = plan_splits(batch, 8, seqlen, 132, block_n=64, programs_per_sm=2,
-                         min_blocks_per_split=4, max_splits=128)
+    splits = plan_splits(batch, 8, seqlen, 132, block_n=64, saturating_per_sm=2,
+                         resident_per_sm=3, min_blocks_per_split=4, max_splits=128)
     assert 1 <= splits <= most
-    if programs >= slots:
-        assert splits == 1  # the machine is already full
-    elif splits < most:
-        assert programs * splits >= 0.85 * slots  # split until the machine is (nearly) full
+
+    def tail_efficiency(s):
+        waves = programs * s / slots
+        return waves / math.ceil(waves)
+
+    best = max(tail_efficiency(s) for s in range(1, most + 1))
+    assert tail_efficiency(splits) >= 0.95 * best  # no SMs idle in a partial last wave
+    assert all(tail_efficiency(s) < 0.95 * best for s in range(1, splits))  # and no more splits than that
 
 
 def test_plan_splits_rejects_nonsense():

@@ -186,27 +186,31 @@ def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, 
 
 def plan_splits(
     batch: int, heads_k: int, max_seqlen: int, num_sms: int, *, row_blocks: int = 1,
-    block_n: int = 64, programs_per_sm: int = 2, min_blocks_per_split: int = 4,
-    max_splits: int = 128,
+    block_n: int = 64, saturating_per_sm: int = 2, resident_per_sm: int = 3,
+    min_blocks_per_split: int = 4, max_splits: int = 128,
 ) -> int:
     """How many key splits one decode launch should use. Pure function.
 
-    `batch * heads_k * row_blocks` programs exist without splitting; the GPU
-    runs `num_sms * programs_per_sm` at once (a wave), and if they fill one
-    wave already, the plan is 1. Otherwise, with
+    `batch * heads_k * row_blocks` programs exist without splitting. With
+    fewer than `saturating_per_sm` per SM, HBM is not saturated: waves are
+    counted in `num_sms * saturating_per_sm` programs. With more, what matters
+    is the partial last wave of the programs resident at once (the split
+    kernel's registers allow `resident_per_sm` per H200 SM). With
     `waves(s) = programs * s / slots`, a split count's efficiency is
     `waves / ceil(waves)` (1.0 = whole waves, no idle SMs at the tail). The plan
     is the smallest s whose efficiency is within 5% of the best, among the s
     that leave each split at least `min_blocks_per_split` key blocks of `block_n`.
+    Measured on the H200 (benchmarks/results/decode-b64-sweep.json): B = 64,
+    Hk = 8 is 512 programs, 1.3 resident waves unsplit; 3 splits make 3.9
+    waves and lift 128k from 3.97 to 4.37 TB/s.
     """
     for name, value in (("batch", batch), ("heads_k", heads_k), ("max_seqlen", max_seqlen),
                         ("num_sms", num_sms), ("row_blocks", row_blocks)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     programs = batch * heads_k * row_blocks
-    slots = num_sms * programs_per_sm
-    if programs >= slots:
-        return 1
+    saturating = num_sms * saturating_per_sm
+    slots = saturating if programs < saturating else num_sms * resident_per_sm
     key_blocks = math.ceil(max_seqlen / block_n)
     most = max(1, min(max_splits, key_blocks // min_blocks_per_split))
 
