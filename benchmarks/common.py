@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -21,15 +20,18 @@ def attention_flops(batch, heads, len_q, len_k, head_dim, causal=False, backward
     return flops * 2.5 if backward else flops
 
 
-def median_seconds(fn, warmup=1, repeats=5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
+def interleaved_seconds(fns: dict, warmup=1, repeats=5) -> dict[str, list[float]]:
+    """Times of each callable, taken in alternating rounds so machine drift hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def environment() -> dict:

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 NEG_INF = float("-inf")
+LOG2_E = 1.4426950408889634
 
 
 class BlockSummary(NamedTuple):
@@ -36,6 +37,11 @@ class BlockSummary(NamedTuple):
 def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
     """The shared maximum used for rescaling: -inf (an empty block) becomes 0."""
     return torch.where(torch.isneginf(m), 0.0, m)
+
+
+def exp_(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) in place, as 2 ** (x log2 e): PyTorch's CPU exp2 is several times faster than exp."""
+    return x.mul_(LOG2_E).exp2_()
 
 
 def empty_summary(shape: tuple[int, ...], value_dim: int, dtype, device) -> BlockSummary:
@@ -71,7 +77,7 @@ def summarize_(
         m = scores.amax(dim=-1)
     else:
         m = scores.new_full(scores.shape[:-1], NEG_INF)
-    weights = scores.sub_(finite_or_zero(m).unsqueeze(-1)).exp_()
+    weights = exp_(scores.sub_(finite_or_zero(m).unsqueeze(-1)))
     l = weights.sum(dim=-1)  # noqa: E741
     if numerator_weights is not None:
         weights.mul_(numerator_weights)
@@ -84,13 +90,30 @@ def summarize_(
 
 
 def merge(a: BlockSummary, b: BlockSummary) -> BlockSummary:
-    """Combine two summaries of disjoint key blocks. Associative and commutative."""
+    """Combine two summaries of disjoint key blocks. Associative and commutative.
+
+    Shapes broadcast and dtypes promote as in ordinary arithmetic.
+    """
+    dtype = torch.promote_types(a.u.dtype, b.u.dtype)
+    rows = torch.broadcast_shapes(a.m.shape, b.m.shape)
+    values = torch.broadcast_shapes(a.u.shape, b.u.shape)
+    start = BlockSummary(
+        a.m.to(dtype).expand(rows).clone(),
+        a.l.to(dtype).expand(rows).clone(),
+        a.u.to(dtype).expand(values).clone(),
+    )
+    return merge_(start, b)
+
+
+def merge_(a: BlockSummary, b: BlockSummary) -> BlockSummary:
+    """`merge` that overwrites `a`'s tensors with the result and returns them (the hot path)."""
     m = torch.maximum(a.m, b.m)
     shared = finite_or_zero(m)
     alpha, beta = torch.exp(a.m - shared), torch.exp(b.m - shared)
-    l = torch.addcmul(a.l * alpha, b.l, beta)  # noqa: E741
-    u = torch.addcmul(a.u * alpha.unsqueeze(-1), b.u, beta.unsqueeze(-1))
-    return BlockSummary(m, l, u)
+    a.l.mul_(alpha).addcmul_(b.l, beta)
+    a.u.mul_(alpha.unsqueeze(-1)).addcmul_(b.u, beta.unsqueeze(-1))
+    a.m.copy_(m)
+    return a
 
 
 def finalize(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..algebra import empty_summary, finalize, merge, summarize_
+from ..algebra import empty_summary, exp_, finalize, merge_, summarize_
 from ..dropout import keep_tile
 from ..masks import apply_masks, band_bounds, band_rows
 from ..problem import AttentionParams, AttentionProblem, compute_dtype
@@ -122,7 +122,7 @@ def tiled_forward(q, k, v, mask, params: AttentionParams):
             k_tile = k[:, :, cols.start:cols.stop].to(ctx.dtype)
             v_tile = v[:, :, cols.start:cols.stop].to(ctx.dtype)
             scores = ctx.scores(q_tile, k_tile, rows, cols)
-            state = merge(state, summarize_(scores, v_tile, ctx.dropout_weights(rows, cols)))
+            merge_(state, summarize_(scores, v_tile, ctx.dropout_weights(rows, cols)))
         out_tile, lse_tile = finalize(state)
         out5[..., rows.start:rows.stop, :] = ctx.unstack(out_tile, rows)
         lse5[..., rows.start:rows.stop] = ctx.unstack(lse_tile, rows)
@@ -146,7 +146,7 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
         for rows in spans(*band_rows(cols, ctx.len_q, ctx.len_k, params.window), ctx.block_m):
             q_tile, do_tile = ctx.stack(q5, rows), ctx.stack(do5, rows)
             probs = ctx.scores(q_tile * params.scale, k_tile, rows, cols)
-            probs.sub_(ctx.stack(lse5, rows)).exp_()
+            exp_(probs.sub_(ctx.stack(lse5, rows)))
             weights = ctx.dropout_weights(rows, cols)
             dropped = probs if weights is None else probs * weights
             dv[:, :, c] += torch.matmul(dropped.transpose(-1, -2), do_tile)
