@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -30,8 +29,6 @@ from .backends.tiled import tiled_forward
 from .problem import AttentionParams, check_same_dtype_device, check_scale, check_tensor, compute_dtype
 
 DECODE_BACKENDS = ("auto", "triton", "tiled")
-MAX_TRITON_HEAD_DIM = 256
-MIN_CAPABILITY = (8, 0)
 
 
 @dataclass(frozen=True)
@@ -235,28 +232,21 @@ def split_chunk(longest: int, num_splits: int, align: int) -> int:
 
 # ---------------------------------------------------------------- backends
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def triton_reasons(problem: DecodeProblem) -> list[str]:
-    """Why the Triton decode kernel cannot serve this problem (empty: it can)."""
-    q, reasons = problem.q, []
-    if not (q.is_cuda or interpreting()):
-        reasons.append(f"q is on {q.device}; the Triton kernels need a CUDA device "
-                       "(or TRITON_INTERPRET=1 for the interpreter)")
-    elif q.is_cuda and torch.cuda.get_device_capability(q.device) < MIN_CAPABILITY:
-        reasons.append(f"GPU compute capability {torch.cuda.get_device_capability(q.device)} "
-                       f"is below {MIN_CAPABILITY}")
-    if q.dtype == torch.float64:
-        reasons.append("float64 inputs compute on the tiled backend")
+    """Why the Triton decode kernel cannot serve this problem (empty: it can).
+
+    The device, dtype and head-dim rules are those of the Triton backend.
+    """
+    from .backends.triton import MAX_HEAD_DIM, SUPPORTED_DTYPES, device_reasons, triton_importable
+
+    if not triton_importable():
+        return ["triton is not installed"]
+    q, reasons = problem.q, device_reasons(problem.q.device)
+    if q.dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {q.dtype} computes on the tiled backend")
     widest = max(q.shape[3], problem.v_cache.shape[3])
-    if widest > MAX_TRITON_HEAD_DIM:
-        reasons.append(f"head dim {widest} > {MAX_TRITON_HEAD_DIM}")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        reasons.append("triton is not installed")
+    if widest > MAX_HEAD_DIM:
+        reasons.append(f"head dim {widest} > {MAX_HEAD_DIM}")
     return reasons
 
 
