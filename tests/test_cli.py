@@ -42,6 +42,7 @@ def test_results_json_has_the_required_fields(tiny_run):
     assert meta["baseline"] == "naive" and meta["versions"]["torch"] and meta["versions"]["exattn"]
     assert meta["device"] == "cpu" and meta["device_name"]
     assert "not available" in meta["dram_measured"] or "uncore" in meta["dram_measured"]
+    assert meta["config"]["dram"] is False
     # 2 causal x (2 lengths + 1 dropout length) x 2 dtypes x 3 impls, + decode 2 dtypes x 2 lengths x 3
     assert len(rows) == 2 * 3 * 2 * 3 + 2 * 2 * 3
     for row in rows:
@@ -50,6 +51,7 @@ def test_results_json_has_the_required_fields(tiny_run):
             assert field in row, field
         assert row["out_err_max_abs"] >= 0 and row["traffic_model_bytes"] > 0
         assert row["peak_bytes"] is not None and row["time_fwd_ms"] > 0
+        assert not any(key.startswith("dram_") for key in row)  # measured only with --dram on cuda
         if row["phase"] == "prefill":
             assert row["grad_err_max_abs"] >= 0 and row["grad_err_ratio_naive"] is not None
         else:
@@ -65,6 +67,8 @@ def test_report_names_the_baseline_and_reads_the_results(tiny_run):
     assert "## What was found" in report and "## Tables" in report
     assert report.count("Baseline: `naive` backend of exattn") == 2 * 2 * 2 + 2  # one per table
     assert "torch 2." in report and "MODEL" in report and "![Measured peak memory" in report
+    assert "measured DRAM bytes: not available on this CPU" in report or "uncore" in report
+    assert "DRAM MiB" not in report and "dram_bytes" not in (tiny_run / "results.csv").read_text()
 
 
 def test_memory_command_prints_exact_sizes(capsys):
@@ -113,12 +117,30 @@ def test_plan_command_exits_1_when_nothing_meets_the_bound(capsys):
     (["plan", "--seq-len", "64", "--head-dim", "16", "--max-error", "-1"], "must be a positive float"),
     (["plan", "--seq-len", "64", "--head-dim", "16", "--max-error", "0.1", "--tiles", "8"], "--tiles"),
     (["launch"], "invalid choice: 'launch'"),
+    (["experiment", "--dram"], "--dram needs --device cuda, got --device cpu"),
 ])
 def test_bad_arguments_exit_2_with_a_clear_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_dram_without_ncu_exits_2(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the device check
+    monkeypatch.setenv("EXATTN_NCU", str(tmp_path / "no-ncu"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["experiment", "--device", "cuda", "--dram", "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert "--dram: Nsight Compute (ncu) not found" in capsys.readouterr().err
+    config = tmp_path / "c.toml"
+    config.write_text("[experiment]\ndram = true\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["experiment", "--config", str(config), "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert "--dram needs --device cuda" in capsys.readouterr().err
 
 
 def test_bad_config_file_exits_2(tmp_path, capsys):

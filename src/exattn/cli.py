@@ -33,14 +33,16 @@ EXPERIMENT_HELP = {
     "warmup": "untimed warm-up runs, the error run included (default 1)",
     "naive_max_len": "largest N for the naive baseline, which materializes N x N (default 4096)",
     "memory": "measure peak memory, each run in a fresh process (default on)",
-    "memory_timeout": "seconds allowed for one memory measurement (default 300)",
+    "memory_timeout": "seconds allowed for one memory or DRAM measurement (default 300)",
+    "dram": "cuda only: measure each run's DRAM bytes read+written with Nsight Compute (ncu) hardware "
+            "counters, next to the modeled traffic (default off; one ncu process per run)",
     "on_chip_bytes": "fast-memory size for the traffic model (default: CUDA shared memory / CPU L2)",
     "seed": "seed of the inputs and of the dropout masks (default 0)",
     "threads": "torch CPU threads (default: torch's)",
     "plots": "write the PNG plots (default on)",
     "quick": "a smaller sweep: N 128,256,512, tiles 16x16,32x64,64x64, 2 repeats",
 }
-SWITCHES = ("memory", "plots")
+SWITCHES = ("memory", "dram", "plots")
 
 
 def add_experiment(sub) -> None:
@@ -153,6 +155,13 @@ def check_device(parser, device: str) -> None:
         parser.error(f"--device must be cpu or cuda[:index], got {device!r}")
 
 
+def check_ncu(parser) -> None:
+    from .experiment.dram import find_ncu, not_found
+
+    if find_ncu() is None:
+        parser.error(f"--dram: {not_found()}; set EXATTN_NCU=/path/to/ncu or leave --dram off")
+
+
 def run_experiment(args, argv: list[str]) -> int:
     parser = args.command_parser
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(ExperimentConfig)}
@@ -161,6 +170,8 @@ def run_experiment(args, argv: list[str]) -> int:
     except ConfigError as err:
         parser.error(str(err))
     check_device(parser, config.device)
+    if config.dram:
+        check_ncu(parser)
     from pathlib import Path
 
     try:

@@ -60,6 +60,7 @@ class ExperimentConfig:
     naive_max_len: int = 4096
     memory: bool = True
     memory_timeout: float = 300.0
+    dram: bool = False
     on_chip_bytes: int | None = None
     seed: int = 0
     threads: int | None = None
@@ -180,7 +181,7 @@ SCALARS = {
     "memory_timeout": scalar(float), "on_chip_bytes": scalar(int), "seed": scalar(int, 0),
     "threads": scalar(int), "device": device_name,
 }
-FLAGS = {"memory": boolean, "plots": boolean, "quick": boolean}
+FLAGS = {"memory": boolean, "dram": boolean, "plots": boolean, "quick": boolean}
 TEXT = ("out", "config")
 
 
@@ -234,4 +235,9 @@ def check_consistent(config: ExperimentConfig) -> None:
     if config.heads % config.heads_k != 0:
         raise ConfigError(
             f"--heads ({config.heads}) must be a multiple of --kv-heads ({config.heads_k})"
+        )
+    if config.dram and not config.device.startswith("cuda"):
+        raise ConfigError(
+            f"--dram needs --device cuda, got --device {config.device}: measured DRAM bytes come from "
+            "an NVIDIA GPU's hardware counters, read by Nsight Compute; on the CPU there are none to read"
         )

@@ -12,7 +12,8 @@ import torch
 
 import exattn
 
-from .traffic import default_on_chip_bytes, dram_counters
+from .dram import dram_status
+from .traffic import default_on_chip_bytes
 
 
 def cpu_name() -> str:
@@ -64,5 +65,5 @@ def describe_environment(config, argv: list[str] | None) -> dict:
         "traffic_model": "modeled bytes between main and on-chip memory (exattn.experiment.traffic)",
         "on_chip_bytes": on_chip,
         "on_chip_source": on_chip_source,
-        "dram_measured": dram_counters(config.device),
+        "dram_measured": dram_status(config.device, config.dram),
     }

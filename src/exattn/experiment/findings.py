@@ -102,6 +102,27 @@ def speed_and_traffic(rows: list[dict]) -> list[str]:
     return lines
 
 
+def measured_traffic(rows: list[dict]) -> list[str]:
+    """Measured DRAM bytes against the model, in the reference setting at the largest measured N."""
+    ref = reference_setting(rows)
+    measured = [r for r in select(rows, **ref) if r.get("dram_bytes") is not None] if ref else []
+    failed = [r for r in rows if r.get("dram_error")]
+    lines = []
+    if measured:
+        n = max(r["seq_len"] for r in measured)
+        at_n = sorted((r for r in measured if r["seq_len"] == n),
+                      key=lambda r: (r["impl"] != "naive", tile_order(r)))
+        parts = [f"{label(r)} {r['dram_bytes'] / MIB:.1f} MiB = {r['dram_bytes'] / r['traffic_model_bytes']:.2f}× "
+                 f"the model's {r['traffic_model_bytes'] / MIB:.1f} MiB" for r in at_n]
+        lines.append(f"Measured DRAM traffic (Nsight Compute; N = {n}, {ref['dtype']}, prefill forward+backward, "
+                     f"{'causal' if ref['causal'] else 'not causal'}): " + "; ".join(parts)
+                     + ". Below 1× the L2 kept data that the model counts as re-read from DRAM.")
+    if failed:
+        lines.append(f"DRAM bytes could not be measured for {len(failed)} run(s), e.g. {label(failed[0])} "
+                     f"at N = {failed[0]['seq_len']}: {failed[0]['dram_error']}")
+    return lines
+
+
 def dropout(rows: list[dict]) -> list[str]:
     with_p = [r for r in rows if r["status"] == "ok" and r["dropout_p"] > 0 and r["impl"] != "naive"]
     if not with_p:
@@ -148,4 +169,5 @@ def problems(rows: list[dict]) -> list[str]:
 
 def findings(rows: list[dict], meta: dict) -> list[str]:
     """Bullets for report.md: accuracy, memory, time and traffic, dropout, decode, problems."""
-    return accuracy(rows) + memory(rows) + speed_and_traffic(rows) + dropout(rows) + decode(rows) + problems(rows)
+    return (accuracy(rows) + memory(rows) + speed_and_traffic(rows) + measured_traffic(rows) + dropout(rows)
+            + decode(rows) + problems(rows))

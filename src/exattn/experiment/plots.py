@@ -1,4 +1,4 @@
-"""PNG figures (matplotlib, Agg): error vs tile, peak memory vs N, time vs N, modeled traffic vs tile."""
+"""PNG figures (matplotlib, Agg): error vs tile, peak memory vs N, time vs N, traffic vs tile (model, measured DRAM)."""
 
 from __future__ import annotations
 
@@ -115,15 +115,26 @@ def traffic_vs_tile(rows: list[dict], path: Path) -> Path | None:
     for causal in dict.fromkeys(r["causal"] for r in same):
         at_n = [r for r in same if r["seq_len"] == n and r["causal"] == causal]
         tiled = sorted((r for r in at_n if r["impl"] != "naive"), key=tile_order)
-        ax.plot([r["tile"] for r in tiled], [r["traffic_model_bytes"] / MIB for r in tiled],
-                marker="o", label=f"tiled, {'causal' if causal else 'not causal'}")
+        name = f"tiled, {'causal' if causal else 'not causal'}"
+        ax.plot([r["tile"] for r in tiled], [r["traffic_model_bytes"] / MIB for r in tiled], marker="o", label=name)
+        measured = [r for r in tiled if r.get("dram_bytes") is not None]
+        if measured:
+            ax.plot([r["tile"] for r in measured], [r["dram_bytes"] / MIB for r in measured], marker="x",
+                    linestyle=":", color=ax.lines[-1].get_color(), label=f"{name}, measured DRAM (ncu)")
         naive_levels.update({r["traffic_model_bytes"]: causal for r in at_n if r["impl"] == "naive"})
+        for r in at_n:
+            if r["impl"] == "naive" and r.get("dram_bytes") is not None:
+                ax.axhline(r["dram_bytes"] / MIB, linestyle=":", color="black", label="naive, measured DRAM (ncu)")
     for level in naive_levels:
         ax.axhline(level / MIB, linestyle="--", color="gray", label="naive schedule (N x N in main memory)")
     ax.set_yscale("log")
     ax.set_xlabel("tile (block_m x block_n)")
-    ax.set_ylabel("MODELED bytes moved, fwd+bwd (MiB)")
-    ax.set_title(f"Modeled HBM<->on-chip traffic, N = {n}, {ref['dtype']}")
+    if any(r.get("dram_bytes") is not None for r in same):
+        ax.set_ylabel("bytes moved, fwd+bwd (MiB)")
+        ax.set_title(f"Traffic, N = {n}, {ref['dtype']}: MODEL (o) vs measured DRAM (x)")
+    else:
+        ax.set_ylabel("MODELED bytes moved, fwd+bwd (MiB)")
+        ax.set_title(f"Modeled HBM<->on-chip traffic, N = {n}, {ref['dtype']}")
     ax.tick_params(axis="x", rotation=45)
     ax.legend(fontsize=7)
     return save(fig, path)

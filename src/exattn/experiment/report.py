@@ -17,8 +17,10 @@ FIRST_COLUMNS = (
     "out_err_max_abs", "out_err_rel", "out_err_ratio_naive",
     "grad_err_max_abs", "grad_err_rel", "grad_err_ratio_naive",
     "peak_bytes", "traffic_model_bytes", "traffic_model_fwd_bytes",
+    "dram_bytes", "dram_read_bytes", "dram_write_bytes", "dram_kernels", "dram_error",
     "time_fwd_ms", "time_bwd_ms", "time_total_ms",
 )
+DRAM_COLUMNS = ("dram_bytes", "dram_read_bytes", "dram_write_bytes", "dram_kernels", "dram_error")
 
 
 def strict(value):
@@ -32,8 +34,14 @@ def strict(value):
     return value
 
 
+def measured_dram(rows: list[dict]) -> bool:
+    """Whether DRAM bytes were measured (or tried) for any row: only then do their columns appear."""
+    return any("dram_bytes" in r or "dram_error" in r for r in rows)
+
+
 def columns(rows: list[dict]) -> list[str]:
-    seen = dict.fromkeys(FIRST_COLUMNS)
+    dram = measured_dram(rows)
+    seen = dict.fromkeys(c for c in FIRST_COLUMNS if dram or c not in DRAM_COLUMNS)
     for row in rows:
         seen.update(dict.fromkeys(row))
     return list(seen)
@@ -62,6 +70,8 @@ def fmt(value, kind: str) -> str:
         return "inf" if value == float("inf") else f"{value:.2f}"
     if kind == "mib":
         return f"{value / MIB:.2f}"
+    if kind == "x":
+        return f"{value:.3g}"
     return f"{value:.1f}"
 
 
@@ -74,14 +84,28 @@ TABLE = (
     ("peak MiB (measured)", "peak_bytes", "mib"), ("traffic MiB (model)", "traffic_model_bytes", "mib"),
     ("fwd ms", "time_fwd_ms", "ms"), ("bwd ms", "time_bwd_ms", "ms"), ("status", "status", None),
 )
+DRAM_TABLE = (("DRAM MiB (measured)", "dram_bytes", "mib"), ("measured / model", "dram_vs_model", "x"))
+
+
+def dram_vs_model(row: dict) -> float | None:
+    """Measured DRAM bytes over modeled traffic (below 1: caches kept data the model re-reads)."""
+    measured, model = row.get("dram_bytes"), row.get("traffic_model_bytes")
+    return measured / model if measured is not None and model else None
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| " + " | ".join(h for h, _, _ in TABLE) + " |", "|" + "---|" * len(TABLE)]
+    spec = TABLE
+    if measured_dram(rows):
+        at = [key for _, key, _ in TABLE].index("traffic_model_bytes") + 1
+        spec = TABLE[:at] + DRAM_TABLE + TABLE[at:]
+    lines = ["| " + " | ".join(h for h, _, _ in spec) + " |", "|" + "---|" * len(spec)]
     for row in rows:
-        cells = [str(row.get(key, "")) if kind is None else fmt(row.get(key), kind) for _, key, kind in TABLE]
+        row = row | {"dram_vs_model": dram_vs_model(row)}
+        cells = [str(row.get(key, "")) if kind is None else fmt(row.get(key), kind) for _, key, kind in spec]
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- {r['seq_len']} {r['impl']} {r['tile']}: {r['note']}" for r in rows if r.get("note")]
+    notes += [f"- {r['seq_len']} {r['impl']} {r['tile']}: DRAM not measured: {r['dram_error']}"
+              for r in rows if r.get("dram_error")]
     return lines + ([""] + notes if notes else [])
 
 
@@ -147,7 +171,8 @@ def markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
         lines += [f"### {phase}, {dtype}, {causal_text}, dropout {p:g}", "",
                   f"Baseline: {baseline_name(meta, dtype)}.", ""]
         lines += table(group) + [""]
-    lines += ["## Limits", ""] + [f"- {x}" for x in LIMITS]
+    limits = LIMITS + (DRAM_LIMITS if measured_dram(rows) else ())
+    lines += ["## Limits", ""] + [f"- {x}" for x in limits]
     return "\n".join(lines) + "\n"
 
 
@@ -160,6 +185,12 @@ LIMITS = (
     "so on the CPU small tiles are slow for reasons a fused GPU kernel does not share.",
     "The naive baseline is skipped (not crashed) above --naive-max-len; its rows say so.",
     "Decoding is inference: decode rows have forward errors and times only.",
+)
+DRAM_LIMITS = (
+    "Measured DRAM bytes (Nsight Compute) cover every kernel of one forward (+ backward) call, each kernel "
+    "starting with a flushed L2; reads that hit the L2 inside a kernel are not DRAM traffic, so a measurement "
+    "well below the model means the cache, not the schedule, kept the re-read tiles. Work the CPU does and "
+    "host-device copies are not counted.",
 )
 
 

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .config import ExperimentConfig
+from .dram import measure_dram
 from .environment import describe_environment
 from .isolate import SERVER, peak_memory
 from .measure import elapsed, error_stats, ratios_to_naive
@@ -126,6 +127,8 @@ def execute(run: RunSpec, inputs, ref, naive: dict | None, config: ExperimentCon
         row["peak_method"] = memory.get("method", "")
         if "error" in memory:
             row["note"] = f"memory not measured: {memory['error']}"
+    if config.dram:
+        row |= measure_dram(run, config.memory_timeout)
     return row
 
 

@@ -20,18 +20,13 @@ granularity with the one mask rule (`exattn.masks.band_bounds`):
   forward (S write, S read, P write, P read) and 7 backward (P read twice,
   dP write and read, dS write, dS read twice).
 
-Measured DRAM bytes need hardware counters: on NVIDIA GPUs, Nsight Compute's
-`dram__bytes_read.sum` and `dram__bytes_write.sum`; on x86 CPUs, the uncore
-memory-controller events (`perf stat -e uncore_imc/...`), which count the
-whole socket and are usually hidden inside virtual machines.
-`dram_counters(device)` says which, if any, are available here.
+Measured DRAM bytes, where hardware counters exist (NVIDIA GPUs, through
+Nsight Compute), come from `exattn.experiment.dram`, next to this model.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,18 +151,3 @@ def default_on_chip_bytes(device: str) -> tuple[int, str]:
         return int(size), f"shared memory per block of {props.name}"
     return cpu_cache_bytes()
 
-
-def dram_counters(device: str) -> str:
-    """Why measured DRAM bytes are (or are not) in the results on this device."""
-    if device.startswith("cuda"):
-        if shutil.which("ncu"):
-            return ("Nsight Compute (ncu) is installed: measure dram__bytes_read.sum + "
-                    "dram__bytes_write.sum by running a case under ncu; the sweep does not do it itself")
-        return "not measured: needs Nsight Compute (ncu, dram__bytes_read.sum + dram__bytes_write.sum), not found"
-    uncore = list(Path("/sys/bus/event_source/devices").glob("uncore_imc*")) if os.path.isdir(
-        "/sys/bus/event_source/devices") else []
-    if uncore and shutil.which("perf"):
-        return ("uncore memory-controller counters exist (perf uncore_imc), but they count the whole "
-                "socket, other processes included; not used")
-    return ("not available on this CPU: no memory-controller (uncore_imc) hardware counters are "
-            "exposed here (typical inside a virtual machine)")
