@@ -22,7 +22,7 @@ def cpu_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
-        pass
+        pass  # no /proc/cpuinfo (not Linux): fall back to the platform module below
     return platform.processor() or platform.machine()
 
 

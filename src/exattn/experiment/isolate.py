@@ -153,11 +153,11 @@ class ForkServer:
             self.proc.stdin.close()
             self.proc.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
-            pass
+            pass  # a server that will not exit politely is killed just below
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass
+            pass  # it has already exited: nothing left to stop
         self.proc.wait()
         self.proc = None
 
