@@ -7,6 +7,12 @@ Goal (issue 2): tiled forward+backward <= 1/8 of naive's; tiled forward
 "cold" (the first call in the process, so one-time library set-up such as
 MKL's GEMM buffers counts) and "warm" (after one small call of the same
 implementation, at N/16). Writes benchmarks/results/cpu-memory.json.
+
+Each run also records what stays resident after the call returns and its
+tensors are freed, split as /proc reports it: file-backed pages (library code
+paged in at first use) and anonymous memory (e.g. MKL's GEMM buffers). That
+is one-time process set-up (and allocator caches), not the call's working memory; `transient` is the
+peak growth minus it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,17 @@ VARIANTS = ("naive fwd", "naive fwd+bwd", "tiled fwd", "tiled fwd+bwd", "sdpa fw
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resident_mib() -> dict[str, float]:
+    """RssFile and RssAnon of this process, MiB (Linux)."""
+    fields = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("RssFile", "RssAnon"):
+                fields[key] = int(value.split()[0]) / 1024
+    return fields
 
 
 def call(variant: str, shape: tuple[int, int, int, int]) -> int:
@@ -50,18 +67,23 @@ def run_variant(variant: str, shape: tuple[int, int, int, int], warm: bool, queu
     if warm:
         b, h, n, d = shape
         call(variant, (b, h, max(1, n // 16), d))
+    before = resident_mib()
     start = call(variant, shape)  # the peak once the inputs exist, before attention runs
-    queue.put(peak_rss_bytes() - start)
+    growth = (peak_rss_bytes() - start) / 2**20
+    after = resident_mib()
+    kept = {f"kept_{key.lower()}_mib": after[key] - before[key] for key in after}
+    queue.put({"peak_rss_growth_mib": growth, **kept,
+               "transient_mib": growth - sum(kept.values())})
 
 
-def measure(variant: str, shape, warm: bool) -> int:
+def measure(variant: str, shape, warm: bool) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=run_variant, args=(variant, shape, warm, queue))
     proc.start()
-    growth = queue.get()
+    result = queue.get()
     proc.join()
-    return growth
+    return result
 
 
 def main() -> None:
@@ -75,14 +97,15 @@ def main() -> None:
     rows, summary = [], {}
     for state in ("cold", "warm"):
         for variant in VARIANTS:
-            growth = measure(variant, shape, warm=state == "warm") / 2**20
-            rows.append({"variant": variant, "state": state, "peak_rss_growth_mib": growth})
-            print(f"{state} {variant:>15}: {growth:9.1f} MiB")
-        by = {r["variant"]: r["peak_rss_growth_mib"] for r in rows if r["state"] == state}
-        summary[state] = {
-            "tiled_fwdbwd_over_naive_fwdbwd": by["tiled fwd+bwd"] / by["naive fwd+bwd"],
-            "tiled_fwd_over_sdpa_fwd": by["tiled fwd"] / by["sdpa fwd"],
-        }
+            result = measure(variant, shape, warm=state == "warm")
+            rows.append({"variant": variant, "state": state, **result})
+            print(f"{state} {variant:>15}: " + "  ".join(f"{k} {v:8.1f}" for k, v in result.items()))
+        for metric in ("peak_rss_growth_mib", "transient_mib"):
+            by = {r["variant"]: r[metric] for r in rows if r["state"] == state}
+            summary[f"{state} {metric}"] = {
+                "tiled_fwdbwd_over_naive_fwdbwd": by["tiled fwd+bwd"] / by["naive fwd+bwd"],
+                "tiled_fwd_over_sdpa_fwd": by["tiled fwd"] / by["sdpa fwd"],
+            }
     print(json.dumps(summary, indent=2))
     write_json("cpu-memory.json", {
         "shape_bhnd": shape, "dtype": "float32", "device": "cpu",

@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu_session.sh          # pytest -m gpu, memory check, prefill table
 #   bash benchmarks/gpu_session.sh tune     # pytest -m gpu (triton tests), tile sweep, quick prefill
+#   bash benchmarks/gpu_session.sh tune-fwd # pytest -m gpu, forward-only sweep, quick prefill (with Flex),
+#                                           # decode split sweep at short contexts
 #
 # Run from the repository root on the device machine (exattn is not installed
 # there: PYTHONPATH=src). Logs and JSON go to $OUT (the device tool's folder,
@@ -29,7 +31,22 @@ python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 12 --duration
 echo "pytest exit $?" >> "$OUT/pytest-gpu.log"
 tail -25 "$OUT/pytest-gpu.log"
 
-if [ "$MODE" = tune ]; then
+if [ "$MODE" = tune-fwd ]; then
+    stamp "forward sweep"
+    python3 benchmarks/triton_tiles.py --kinds fwd --rep-ms 60 --out "$OUT/triton-tiles-fwd.json" \
+        > "$OUT/tiles.log" 2>&1
+    grep -v "^ *$" "$OUT/tiles.log" | tail -40
+    stamp "quick prefill"
+    python3 benchmarks/prefill.py --dtypes bf16 --seqlens 4096,8192,16384 --flex-dtypes bf16 \
+        --impls exattn-triton,sdpa-cudnn,flex --warmup-ms 15 --rep-ms 60 \
+        --out "$OUT/prefill-quick.json" > "$OUT/prefill-quick.log" 2>&1
+    tail -30 "$OUT/prefill-quick.log"
+    stamp "decode sweep"
+    python3 benchmarks/decode.py --no-main --sweep --sweep-default-only --sweep-s 60 \
+        --sweep-shapes 1x1024,8x1024,64x1024,1x8192,8x8192 --out "$OUT/decode-short.json" \
+        > "$OUT/decode.log" 2>&1
+    grep sweep "$OUT/decode.log" | tail -30
+elif [ "$MODE" = tune ]; then
     stamp "tile sweep"
     python3 benchmarks/triton_tiles.py --out "$OUT/triton-tiles-h200.json" > "$OUT/tiles.log" 2>&1
     grep -v "^ *$" "$OUT/tiles.log" | tail -80

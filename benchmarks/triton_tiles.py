@@ -38,6 +38,9 @@ FORWARD = {
         ("128x64 w4 s2", 128, 64, 4, 2, True, False),
         ("64x64 w4 s3", 64, 64, 4, 3, True, False),
         ("128x64 w4 s3 ptr", 128, 64, 4, 3, False, False),
+        ("128x128 w8 s3", 128, 128, 8, 3, True, False),
+        ("128x128 w8 s2", 128, 128, 8, 2, True, False),
+        ("128x64 w8 s3", 128, 64, 8, 3, True, False),
     ],
     128: [
         ("128x64 w8 s3", 128, 64, 8, 3, True, False),
@@ -48,6 +51,8 @@ FORWARD = {
         ("64x64 w4 s4", 64, 64, 4, 4, True, False),
         ("128x128 w4 s2 ws", 128, 128, 4, 2, True, True),
         ("128x64 w4 s2 ws", 128, 64, 4, 2, True, True),
+        ("128x128 w8 s3", 128, 128, 8, 3, True, False),
+        ("128x32 w4 s4", 128, 32, 4, 4, True, False),
     ],
 }
 # dK/dV kernel: (label, block_m = query rows per step, block_n = keys per program, warps, stages, tma).
@@ -83,6 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--seqlen", type=int, default=16384)
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--causal", default="0,1")
+    p.add_argument("--kinds", default="fwd,dkdv,dq", help="which kernels to sweep")
     p.add_argument("--workers", type=int, default=14)
     p.add_argument("--rep-ms", type=float, default=100)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/triton-tiles-h200.json"))
@@ -93,12 +99,10 @@ def jobs(args):
     for d in (int(x) for x in args.head_dims.split(",")):
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             shape = dict(d=d, causal=causal, n=args.seqlen, batch=max(1, 16384 // args.seqlen), heads=2048 // d)
-            for cand in FORWARD[d]:
-                yield dict(shape, kind="fwd", cand=cand)
-            for cand in DKDV:
-                yield dict(shape, kind="dkdv", cand=cand)
-            for cand in DQ[d]:
-                yield dict(shape, kind="dq", cand=cand)
+            candidates = {"fwd": FORWARD[d], "dkdv": DKDV, "dq": DQ[d]}
+            for kind in args.kinds.split(","):
+                for cand in candidates[kind]:
+                    yield dict(shape, kind=kind, cand=cand)
 
 
 def apply(job):

@@ -187,6 +187,8 @@ def test_plan_splits_fills_the_gpu_only_when_needed():
     assert plan_splits(1, 8, 131072, **h200) >= 16  # one sequence: splitting keeps the GPU busy
     few = plan_splits(8, 8, 131072, **h200)
     assert 2 <= few <= 8
+    assert plan_splits(1, 8, 1024, **h200) == 8  # 16 key blocks: 8 splits of 2 (measured best)
+    assert plan_splits(64, 8, 1024, **h200) == 1  # a full GPU: 3 splits of 5 blocks measured slower
     assert plan_splits(1, 8, 100, **h200) == 1  # 2 key blocks: nothing worth splitting
     assert plan_splits(1, 1, 10**6, num_sms=1, saturating_per_sm=1, resident_per_sm=1) == 1  # one slot
 
@@ -195,10 +197,12 @@ def test_plan_splits_fills_the_gpu_only_when_needed():
 @pytest.mark.parametrize("seqlen", (1, 63, 1000, 32768, 131072))
 def test_plan_splits_bounds(batch, seqlen):
     programs = batch * 8
-    slots = 132 * 2 if programs < 132 * 2 else 132 * 3  # saturating, then resident programs
-    most = max(1, min(128, -(-seqlen // 64) // 4))  # each split keeps >= 4 key blocks of 64
-    splits = plan_splits(batch, 8, seqlen, 132, block_n=64, saturating_per_sm=2,
-                         resident_per_sm=3, min_blocks_per_split=4, max_splits=128)
+    full = programs >= 132 * 2
+    slots = 132 * 3 if full else 132 * 2  # resident programs once HBM is saturated, else saturating
+    shortest = 16 if full else 4  # key blocks of 64 that each split keeps at least
+    most = max(1, min(128, -(-seqlen // 64) // shortest))
+    splits = plan_splits(batch, 8, seqlen, 132, block_n=64, saturating_per_sm=2, resident_per_sm=3,
+                         min_blocks_per_split=4, min_blocks_when_full=16, max_splits=128)
     assert 1 <= splits <= most
 
     def tail_efficiency(s):

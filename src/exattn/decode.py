@@ -184,7 +184,7 @@ def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, 
 def plan_splits(
     batch: int, heads_k: int, max_seqlen: int, num_sms: int, *, row_blocks: int = 1,
     block_n: int = 64, saturating_per_sm: int = 2, resident_per_sm: int = 3,
-    min_blocks_per_split: int = 4, max_splits: int = 128,
+    min_blocks_per_split: int = 2, min_blocks_when_full: int = 16, max_splits: int = 128,
 ) -> int:
     """How many key splits one decode launch should use. Pure function.
 
@@ -196,10 +196,14 @@ def plan_splits(
     `waves(s) = programs * s / slots`, a split count's efficiency is
     `waves / ceil(waves)` (1.0 = whole waves, no idle SMs at the tail). The plan
     is the smallest s whose efficiency is within 5% of the best, among the s
-    that leave each split at least `min_blocks_per_split` key blocks of `block_n`.
-    Measured on the H200 (benchmarks/results/decode-b64-sweep.json): B = 64,
-    Hk = 8 is 512 programs, 1.3 resident waves unsplit; 3 splits make 3.9
-    waves and lift 128k from 3.97 to 4.37 TB/s.
+    that leave each split at least `min_blocks_per_split` key blocks of `block_n`
+    (`min_blocks_when_full` once the unsplit launch saturates HBM: then a split
+    only evens out the last wave, and short splits cost more in partial results
+    than they gain). Measured on the H200 (decode-b64-sweep.json,
+    decode-short-sweep.json): B = 64, Hk = 8 is 512 programs, 1.3 resident waves
+    unsplit; 3 splits make 3.9 waves and lift 128k from 3.97 to 4.37 TB/s, but
+    at 1k keys cost 7% (3.27 vs 3.51 TB/s unsplit). B = 1 at 1k: 8 splits of 2
+    blocks read 0.56 TB/s, 4 splits of 4 blocks 0.46.
     """
     for name, value in (("batch", batch), ("heads_k", heads_k), ("max_seqlen", max_seqlen),
                         ("num_sms", num_sms), ("row_blocks", row_blocks)):
@@ -207,9 +211,11 @@ def plan_splits(
             raise ValueError(f"{name} must be >= 1, got {value}")
     programs = batch * heads_k * row_blocks
     saturating = num_sms * saturating_per_sm
-    slots = saturating if programs < saturating else num_sms * resident_per_sm
+    full = programs >= saturating
+    slots = num_sms * resident_per_sm if full else saturating
     key_blocks = math.ceil(max_seqlen / block_n)
-    most = max(1, min(max_splits, key_blocks // min_blocks_per_split))
+    shortest = min_blocks_when_full if full else min_blocks_per_split
+    most = max(1, min(max_splits, key_blocks // shortest))
 
     def efficiency(splits: int) -> float:
         waves = programs * splits / slots

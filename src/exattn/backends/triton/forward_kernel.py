@@ -41,16 +41,20 @@ def forward_segment(
             k = k_src.load([n0, 0])
         else:
             k = load_tile(k_ptrs, cols, len_k, offs_d, D, BLOCK_D, CHECK_BAND)
-        s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if CHECK_BAND or MASK_KIND != 0:
             s2 = masked_scores(
-                s2, rows[:, None], cols[None, :], len_q, len_k, left, right, mask_base,
+                qk * scale_log2, rows[:, None], cols[None, :], len_q, len_k, left, right, mask_base,
                 mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND,
             )
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
-        if CHECK_BAND or MASK_KIND != 0:
+            m_new = tl.maximum(m_i, tl.max(s2, 1))
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s2 - m_new[:, None])
+            p = tl.math.exp2(s2 - m_new[:, None])
+        else:
+            # Unmasked tile: max commutes with the positive scale, so the scaling
+            # and the shift are one fused multiply-add per score.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+            p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
