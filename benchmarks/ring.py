@@ -22,8 +22,14 @@ total length N on W devices: ring fwd+bwd (causal, default zigzag) on N/W
 tokens per device, and single-device `exattn.attention` fwd+bwd at the per-device
 length N/W. FLOPs: 4*B*H*N^2*D/2 per causal forward, x2.5 for backward; ring
 per-device FLOPs = total / W; efficiency = per-device TFLOP/s / single-device TFLOP/s.
-A failing configuration becomes a row of nulls with the error. Rows are written
-as they finish.
+
+Memory (CUDA peak allocated of one fwd+bwd, inputs included): the ring's peak per
+device (`peak_mem_gib`, the largest rank's) against rank 0 alone on the whole
+sequence, both single-device exattn (`full_len_single_peak_mem_gib`) and the ring
+of one process in its own group (`ring_w1_peak_mem_gib`); `mem_ratio_vs_full_single`
+and `mem_ratio_vs_ring_w1` are peak * W over those: 1.0 means memory per device
+falls exactly as 1/W. A failing configuration becomes a row of nulls with the
+error. Rows are written as they finish.
 """
 
 from __future__ import annotations
@@ -112,8 +118,8 @@ def seconds_per_call(fn, device, warmup: int, repeat: int, min_time: float) -> f
     return all_max((time.perf_counter() - start) / repeat, device)
 
 
-def peak_gib(fn, device) -> float | None:
-    """Peak allocated memory of one call (inputs included), the largest rank's."""
+def local_peak_gib(fn, device) -> float | None:
+    """Peak allocated memory of one call on this rank (inputs included); None off CUDA."""
     if device.type != "cuda":
         fn()
         return None
@@ -121,7 +127,13 @@ def peak_gib(fn, device) -> float | None:
     torch.cuda.reset_peak_memory_stats(device)
     fn()
     sync(device)
-    return all_max(torch.cuda.max_memory_allocated(device) / GIB, device)
+    return torch.cuda.max_memory_allocated(device) / GIB
+
+
+def peak_gib(fn, device) -> float | None:
+    """Peak allocated memory of one call (inputs included), the largest rank's."""
+    value = local_peak_gib(fn, device)
+    return None if value is None else all_max(value, device)
 
 
 def random_inputs(args, length: int, device, seed: int, requires_grad=True):
@@ -182,18 +194,29 @@ def measure(args, total_len: int, rank: int, world: int, device) -> dict:
     return row
 
 
-def full_length_peak(args, total_len: int, rank: int, device) -> float | None:
-    """Peak memory of one device's exattn fwd+bwd on the whole sequence (rank 0): the 1/W baseline."""
-    value = None
-    if rank == 0 and device.type == "cuda":
+FULL_LEN_KEYS = ("full_len_single_peak_mem_gib", "ring_w1_peak_mem_gib")
+
+
+def full_length_peaks(args, total_len: int, rank: int, device, solo) -> dict:
+    """Rank 0 alone on the whole sequence: peak of exattn fwd+bwd and of the ring of one process
+    (`solo`, rank 0's own group): the two baselines for memory falling as 1/W."""
+    peaks = dict.fromkeys(FULL_LEN_KEYS)
+    if rank == 0:
         q, k, v, dout = random_inputs(args, total_len, device, seed=7)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        fwd_bwd(lambda *t: exattn.attention(*t, causal=True), q, k, v, dout)
-        sync(device)
-        value = torch.cuda.max_memory_allocated(device) / GIB
-        del q, k, v, dout
-    return value
+        attends = (lambda *t: exattn.attention(*t, causal=True),
+                   lambda *t: ring_attention(*t, causal=True, layout=args.layout, group=solo))
+        for key, attend in zip(FULL_LEN_KEYS, attends):
+            peaks[key] = local_peak_gib(lambda: fwd_bwd(attend, q, k, v, dout), device)
+    return peaks
+
+
+def memory_ratios(row: dict) -> dict:
+    """peak per device * W over each whole-sequence baseline (1.0 = memory falls as 1/W)."""
+    ratios = {}
+    for key, name in zip(FULL_LEN_KEYS, ("mem_ratio_vs_full_single", "mem_ratio_vs_ring_w1")):
+        ok = row.get("peak_mem_gib") is not None and row.get(key)
+        ratios[name] = row["peak_mem_gib"] * row["world"] / row[key] if ok else None
+    return ratios
 
 
 NULL_ROW_KEYS = ("ring_ms", "single_ms", "per_gpu_tflops", "single_gpu_tflops", "efficiency",
@@ -281,14 +304,16 @@ def run(args) -> None:
     if use_cuda and report["local_backend"] != "triton":
         report["note"] = "the triton backend cannot serve these inputs; timing only lengths <= 16k with tiled"
         lengths = [n for n in lengths if n <= 16384]
+    solo = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
     for total_len in lengths:
         null_row = {"world": world, "total_len": total_len, **dict.fromkeys(NULL_ROW_KEYS)}
         row = guarded(lambda: measure(args, total_len, rank, world, device), device,
                       lambda e: {**null_row, "error": e})
-        row["full_len_single_peak_mem_gib"] = None
+        row.update(dict.fromkeys(FULL_LEN_KEYS))
         if use_cuda and total_len <= parse_length(args.full_mem_max):
-            peak = guarded(lambda: full_length_peak(args, total_len, rank, device), device, lambda e: None)
-            row["full_len_single_peak_mem_gib"] = peak
+            row.update(guarded(lambda: full_length_peaks(args, total_len, rank, device, solo), device,
+                               lambda e: {"full_len_error": e}))
+        row.update(memory_ratios(row))
         report["rows"].append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -306,8 +331,9 @@ def markdown_table(path: str) -> str:
              f"causal {env['layout']}, local backend {report['local_backend']}; checks passed: "
              f"{all(c.get('passed') for c in report['checks'])}", "",
              "| world | total len | per-GPU len | ring TFLOP/s per GPU | single TFLOP/s | efficiency "
-             "| fwd efficiency | peak GiB per GPU | single at full len GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| fwd efficiency | peak GiB per GPU | single at full len GiB | ring W=1 at full len GiB "
+             "| peak x W / single full | peak x W / ring W=1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(x, spec):
         return "n/a" if x is None else format(x, spec)
@@ -317,7 +343,9 @@ def markdown_table(path: str) -> str:
             f"| {r['world']} | {r['total_len']} | {r.get('per_gpu_len', r['total_len'] // r['world'])} "
             f"| {fmt(r.get('per_gpu_tflops'), '.3g')} | {fmt(r.get('single_gpu_tflops'), '.3g')} "
             f"| {fmt(r.get('efficiency'), '.1%')} | {fmt(r.get('fwd_efficiency'), '.1%')} "
-            f"| {fmt(r.get('peak_mem_gib'), '.2f')} | {fmt(r.get('full_len_single_peak_mem_gib'), '.2f')} |")
+            f"| {fmt(r.get('peak_mem_gib'), '.2f')} | {fmt(r.get('full_len_single_peak_mem_gib'), '.2f')} "
+            f"| {fmt(r.get('ring_w1_peak_mem_gib'), '.2f')} | {fmt(r.get('mem_ratio_vs_full_single'), '.2f')} "
+            f"| {fmt(r.get('mem_ratio_vs_ring_w1'), '.2f')} |")
     return "\n".join(lines)
 
 

@@ -111,6 +111,7 @@ def apply(job):
 
     bucket = configs.dim_bucket(job["d"])
     passes.settings.use_tma, passes.settings.atomic_dq = True, False
+    passes.settings.use_gluon = False  # this sweep tunes the Triton kernels' tables
     cand = job["cand"]
     if job["kind"] == "fwd":
         _, bm, bn, w, s, tma, ws = cand

@@ -6,6 +6,8 @@ Nq != Nk, rows with no allowed key, fp64/fp32/fp16/bf16. Each rank checks its
 shard of out, lse, dq, dk, dv against the oracle on the full tensors with the
 shared error rule, and float64 runs against single-process `exattn.attention`.
 World 3 also runs rings of one process, world 4 two interleaved subgroup rings.
+Every world also checks `rotate` (dK/dV moving one rank on, in place) and, with a
+spy backend, that the local calls get views of whole shards and accumulate in place.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.multiprocessing as mp
 
 import exattn
 from error_rule import assert_matches_oracle, max_abs_error
-from exattn.distributed import ring_attention, shard, unshard
+from exattn.distributed import RingComm, ring, ring_attention, shard, unshard
 from exattn.distributed.blocks import step_blocks
 from exattn.distributed.layout import segments
 from exattn.masks import band_mask
@@ -133,6 +135,61 @@ def check_singleton_groups(rank: int, world: int) -> None:
     check_case(case, 0, 1, seed=200 + rank, group=groups[rank])
 
 
+def check_rotate(rank: int, world: int) -> None:
+    """rotate() leaves every rank holding its previous rank's tensors, pieces of uneven sizes included."""
+    def mine(r):
+        return [torch.arange(10.0) + 100 * r, torch.arange(21, dtype=torch.float64).view(3, 7) - 100 * r]
+    tensors = mine(rank)
+    storage = [t.data_ptr() for t in tensors]
+    ring.rotate(RingComm(None, tag=4), tensors, pieces=3)
+    for got, expected in zip(tensors, mine((rank - 1) % world)):
+        assert torch.equal(got, expected)
+    assert [t.data_ptr() for t in tensors] == storage, "rotate must work in place"
+
+
+class SpyBackend:
+    """The ring's local backend, recording every tensor it is handed."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def forward(self, q, k, v, mask, params):
+        self.seen += [("forward", x) for x in (q, k, v)]
+        return self.inner.forward(q, k, v, mask, params)
+
+    def backward(self, dout, q, k, v, mask, out, lse, params, accumulate_into=None):
+        assert accumulate_into is not None, "the ring must accumulate in place, not add returned blocks"
+        self.seen += [("backward", x) for x in (dout, q, k, v, out, lse)]
+        self.seen += [("accumulator", x) for x in accumulate_into]
+        return self.inner.backward(dout, q, k, v, mask, out, lse, params, accumulate_into=accumulate_into)
+
+
+def check_local_calls_take_views(rank: int, world: int) -> None:
+    """Zigzag causal steps attend half a shard: the local calls must get views of whole shards, not copies."""
+    case = Case("f32-zigzag-views", torch.float32, "zigzag", True, batch=2, heads=(4, 2), chunks=(4, 4))
+    spies = []
+
+    def spy_backend(name):
+        spies.append(SpyBackend(exattn.backends.get_backend(name)))
+        return spies[-1]
+
+    original, ring.get_backend = ring.get_backend, spy_backend
+    try:
+        q, k, v, dout = make_inputs(case, world, seed=5)
+        run_ring(q, k, v, dout, case, rank, world)
+    finally:
+        ring.get_backend = original
+    per_rank = q.shape[2] // world
+    seen = [item for spy in spies for item in spy.seen]
+    assert {kind for kind, _ in seen} == {"forward", "backward", "accumulator"}
+    assert any(x.shape[2] < per_rank for _, x in seen), "expected calls on part of a shard"
+    for kind, x in seen:
+        whole_shard = x.numel() // x.shape[2] * per_rank * x.element_size()
+        assert x.untyped_storage().nbytes() >= whole_shard, f"{kind}: a copy of {tuple(x.shape)}, not a view"
+        if kind == "accumulator":
+            assert x.dtype == torch.float32
+
+
 def check_bad_group(rank: int, world: int) -> None:
     q, k, v, _ = make_inputs(CASES[0], world, seed=0)
     with pytest.raises(TypeError, match="group must be"):
@@ -147,6 +204,8 @@ def worker(rank: int, world: int, store_path: str) -> None:
     )
     checks = [(c.name, lambda c=c, i=i: check_case(c, rank, world, seed=i)) for i, c in enumerate(CASES)]
     checks.append(("bad-group", lambda: check_bad_group(rank, world)))
+    checks.append(("rotate", lambda: check_rotate(rank, world)))
+    checks.append(("views", lambda: check_local_calls_take_views(rank, world)))
     if world == 3:
         checks.append(("singletons", lambda: check_singleton_groups(rank, world)))
     if world == 4:

@@ -190,3 +190,22 @@ def test_auto_uses_tiled_on_cpu_and_explains_why():
     assert choice.rejected["triton"], "auto must say why triton was passed over"
     torch.testing.assert_close(exattn.attention(q, k, v),
                                exattn.attention(q, k, v, backend="tiled"))
+
+
+def test_raw_backward_rejects_bad_accumulators():
+    from exattn.backends.tiled import tiled_backward
+    from exattn.problem import make_problem
+
+    q, k, v = make_inputs(SHAPES["gqa-dv"], torch.float32)
+    params = make_problem(q, k, v).params
+    dout, lse = torch.randn(2, 4, 37, 40), torch.zeros(2, 4, 37)
+    good = [torch.zeros(x.shape) for x in (q, k, v)]
+    with pytest.raises(TypeError, match="accumulate_into must be None or a \\(dq, dk, dv\\) tuple"):
+        tiled_backward(dout, q, k, v, None, dout, lse, params, accumulate_into=good[0])
+    with pytest.raises(TypeError, match="accumulate_into dk must be a torch.Tensor, got list"):
+        tiled_backward(dout, q, k, v, None, dout, lse, params, accumulate_into=(good[0], [], good[2]))
+    with pytest.raises(ValueError, match=r"accumulate_into dv must be torch.float32 of shape \(2, 2, 53, 40\).*"
+                                         r"got torch.float16 of shape"):
+        tiled_backward(dout, q, k, v, None, dout, lse, params, accumulate_into=(*good[:2], good[2].half()))
+    with pytest.raises(ValueError, match=r"accumulate_into dq must be torch.float32 of shape \(2, 4, 37, 24\)"):
+        tiled_backward(dout, q, k, v, None, dout, lse, params, accumulate_into=(good[1], *good[1:]))

@@ -217,3 +217,50 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     reasons = get_backend("triton").not_supported_reasons(problem_of())
     assert any("TRITON_INTERPRET" in r for r in reasons)
+
+
+def strided_buffers(like, gen):
+    """Random float32 buffers shaped like `like`, each a strided view into a larger tensor."""
+    views = []
+    for x in like:
+        big = torch.randn(x.shape[0], x.shape[1] + 1, x.shape[2] + 3, x.shape[3] + 5, generator=gen)
+        views.append(big[:, 1:, 2:2 + x.shape[2], 3:3 + x.shape[3]])
+    return views
+
+
+@pytest.mark.parametrize("backend_name", ["tiled", "triton"])
+@pytest.mark.parametrize("dtype, kwargs, atomic", [
+    (torch.float32, dict(causal=True), False),
+    (torch.float16, dict(window=(6, 2), block_m=16, block_n=16), False),
+    (torch.float32, dict(causal=True), True),
+])
+def test_backward_accumulates_into_float32_buffers(monkeypatch, backend_name, dtype, kwargs, atomic):
+    """accumulate_into adds the gradients into strided float32 views, touching nothing else, deterministically."""
+    monkeypatch.setattr(settings, "atomic_dq", atomic)
+    torch.manual_seed(9)
+    q, k, v = make_inputs(1, 4, 2, 37, 45, 24, 40, dtype)
+    dout = torch.randn(1, 4, 37, 40).to(dtype)
+    backend, params = get_backend(backend_name), make_problem(q, k, v, **kwargs).params
+    out, lse = backend.forward(q.detach(), k.detach(), v.detach(), None, params)
+    start = strided_buffers((q, k, v), torch.Generator().manual_seed(10))
+    runs = []
+    for _ in range(2):
+        accs = [x._base.clone()[:, 1:, 2:2 + x.shape[2], 3:3 + x.shape[3]] for x in start]
+        returned = backend.backward(dout, q.detach(), k.detach(), v.detach(), None, out, lse, params,
+                                    accumulate_into=tuple(accs))
+        assert all(r is a for r, a in zip(returned, accs))
+        runs.append(accs)
+    ref_kwargs = {key: val for key, val in kwargs.items() if key not in ("block_m", "block_n")}
+    ref_out = attention_ref(q, k, v, **ref_kwargs)
+    ref = torch.autograd.grad(ref_out, (q, k, v), dout.to(torch.float64))
+    naive = torch.autograd.grad(exattn.attention(q, k, v, backend="naive", **ref_kwargs), (q, k, v), dout)
+    for name, acc, again, init, n, r in zip(("dq", "dk", "dv"), *runs, start, naive, ref):
+        assert acc.dtype == torch.float32
+        if not (atomic and name == "dq" and backend_name == "triton"):
+            assert torch.equal(acc, again), f"{name}: accumulation is not deterministic"
+        assert_matches_oracle(name, acc - init, n, r, dtype)
+        outside = acc._base.clone()
+        outside[:, 1:, 2:2 + acc.shape[2], 3:3 + acc.shape[3]] = 0
+        untouched = init._base.clone()
+        untouched[:, 1:, 2:2 + acc.shape[2], 3:3 + acc.shape[3]] = 0
+        assert torch.equal(outside, untouched), f"{name}: wrote outside its view"

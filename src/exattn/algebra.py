@@ -118,10 +118,17 @@ def merge_(a: BlockSummary, b: BlockSummary) -> BlockSummary:
 
 def finalize(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)` = `(u / l, m + log l)`; a row with `l = 0` gives zeros and -inf."""
-    has_mass = s.l != 0  # NaN counts as mass, so NaN propagates
-    safe_l = torch.where(has_mass, s.l, torch.ones_like(s.l))
-    out = torch.where(has_mass.unsqueeze(-1), s.u / safe_l.unsqueeze(-1), torch.zeros_like(s.u))
-    lse = torch.where(has_mass, s.m + torch.log(safe_l), torch.full_like(s.m, NEG_INF))
+    m = s.m.to(torch.promote_types(s.m.dtype, s.l.dtype), copy=True)
+    u = s.u.to(torch.promote_types(s.u.dtype, s.l.dtype), copy=True)
+    return finalize_(BlockSummary(m, s.l, u))
+
+
+def finalize_(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
+    """`finalize` that overwrites `s.u` with out and `s.m` with lse and returns them (the hot path)."""
+    empty = s.l == 0  # NaN counts as mass, so NaN propagates
+    safe_l = s.l.masked_fill(empty, 1.0)
+    out = s.u.div_(safe_l.unsqueeze(-1)).masked_fill_(empty.unsqueeze(-1), 0.0)
+    lse = s.m.add_(torch.log(safe_l)).masked_fill_(empty, NEG_INF)
     return out, lse
 
 

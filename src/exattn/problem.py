@@ -89,6 +89,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def check_accumulators(accumulate_into: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """None, or the `(dq, dk, dv)` a raw backward pass adds into: q, k, v's shapes and device,
+    in the compute dtype (float32; float64 for float64 inputs)."""
+    if accumulate_into is None:
+        return None
+    if not isinstance(accumulate_into, (tuple, list)) or len(accumulate_into) != 3:
+        raise TypeError(f"accumulate_into must be None or a (dq, dk, dv) tuple, got {type(accumulate_into).__name__}")
+    dtype = compute_dtype(q.dtype)
+    for name, acc, x in zip(("dq", "dk", "dv"), accumulate_into, (q, k, v)):
+        if not isinstance(acc, torch.Tensor):
+            raise TypeError(f"accumulate_into {name} must be a torch.Tensor, got {type(acc).__name__}")
+        if acc.shape != x.shape or acc.dtype != dtype or acc.device != x.device:
+            raise ValueError(
+                f"accumulate_into {name} must be {dtype} of shape {tuple(x.shape)} on {x.device}, "
+                f"got {acc.dtype} of shape {tuple(acc.shape)} on {acc.device}"
+            )
+    return tuple(accumulate_into)
+
+
 def check_tensor(name: str, x: object, ndim: int) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

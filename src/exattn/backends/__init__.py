@@ -6,7 +6,9 @@ Each backend has `name`, `not_supported_reasons(problem) -> list[str]` and
 decoding reuse, with no autograd:
 
     forward(q, k, v, mask, params) -> (out, lse)
-    backward(dout, q, k, v, mask, out, lse, params) -> (dq, dk, dv)
+    backward(dout, q, k, v, mask, out, lse, params, accumulate_into=None) -> (dq, dk, dv)
+
+(`accumulate_into=(dq, dk, dv)` in the compute dtype: add into those, return them.)
 
 `mask` is None or broadcast to (B, Hq, Nq, Nk); `params` is an
 `AttentionParams`; lse is natural log, float32 (float64 for float64 inputs). `"auto"` walks `AUTO_PRIORITY` and takes the

@@ -21,7 +21,7 @@ import torch
 from ..algebra import empty_summary, exp_, finalize, merge_, summarize_
 from ..dropout import keep_tile
 from ..masks import apply_masks, band_bounds, band_rows
-from ..problem import AttentionParams, AttentionProblem, compute_dtype
+from ..problem import AttentionParams, AttentionProblem, check_accumulators, compute_dtype
 from .autograd import RecomputingAttention
 
 # Elements of one score tile, summed over batch and heads, that the default
@@ -129,17 +129,24 @@ def tiled_forward(q, k, v, mask, params: AttentionParams):
     return out, lse
 
 
-def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
-    """dq, dk, dv for `tiled_forward`, recomputing score tiles from the saved lse."""
+def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
+    """dq, dk, dv for `tiled_forward`, recomputing score tiles from the saved lse.
+
+    accumulate_into: optional (dq, dk, dv) in the compute dtype, of q, k, v's shapes,
+    any strides: the gradients are added into them, and they are returned.
+    """
+    accumulate_into = check_accumulators(accumulate_into, q, k, v)
     ctx = TileContext(q, k, mask, params)
     q5, do5 = grouped(q, ctx.heads_k), grouped(dout, ctx.heads_k)
     delta5 = grouped((dout.to(ctx.dtype) * out.to(ctx.dtype)).sum(-1, keepdim=True), ctx.heads_k)
     # A row with no allowed key has lse = -inf; +inf makes its P = exp(s - inf) = 0.
     lse = torch.where(lse == float("-inf"), float("inf"), lse.to(ctx.dtype))
     lse5 = grouped(lse.unsqueeze(-1), ctx.heads_k)
-    dq5 = torch.zeros(q5.shape, dtype=ctx.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=ctx.dtype, device=q.device)
-    dv = torch.zeros(v.shape, dtype=ctx.dtype, device=q.device)
+    if accumulate_into is None:
+        dq, dk, dv = (torch.zeros(x.shape, dtype=ctx.dtype, device=q.device) for x in (q, k, v))
+    else:
+        dq, dk, dv = accumulate_into
+    dq5 = grouped(dq, ctx.heads_k)
     for cols in spans(0, ctx.len_k, ctx.block_n):
         c = slice(cols.start, cols.stop)
         k_tile, v_tile = k[:, :, c].to(ctx.dtype), v[:, :, c].to(ctx.dtype)
@@ -156,7 +163,9 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
             dscores = probs.mul_(dprobs.sub_(ctx.stack(delta5, rows))).mul_(params.scale)
             dq5[..., rows.start:rows.stop, :] += ctx.unstack(torch.matmul(dscores, k_tile), rows)
             dk[:, :, c] += torch.matmul(dscores.transpose(-1, -2), q_tile)
-    return dq5.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if accumulate_into is not None:
+        return accumulate_into
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class TiledBackend:

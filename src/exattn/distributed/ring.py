@@ -13,7 +13,15 @@ Backward: K/V travel the ring again, together with float32 (float64)
 accumulators of dK/dV, which arrive back at their owners one step after the
 last block. Every step's local backward uses the global out and lse, so
 `delta = rowsum(dO * O)` is that of the full attention and the block
-gradients simply add up.
+gradients simply add up: the local backward adds them straight into the
+float32 dQ and dK/dV accumulators (`accumulate_into`).
+
+Memory per rank, in units of one (B, H, N/W, D) tensor in the input dtype,
+beyond the caller's q, k, v, dout, out and the returned grads: the received
+K/V block (2; from W = 3 also the next one, 2 more), float32 dQ (2) and
+dK/dV (4), and a staging piece of 1/ROTATE_PIECES of dK/dV while the
+accumulators move one rank on (`rotate`, which does not overlap compute).
+Local calls take views of the shards, never copies.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
-from ..algebra import BlockSummary, as_summary, empty_summary, finalize, merge
+from ..algebra import BlockSummary, as_summary, empty_summary, finalize_, merge_
 from ..backends import get_backend
 from ..problem import AttentionParams, check_qkv, check_scale, compute_dtype, make_problem
 from .blocks import Block, step_blocks
@@ -34,8 +42,9 @@ from .layout import check_layout, segments
 class RingComm:
     """Send tensors to the next rank and receive as many from the previous one, asynchronously.
 
-    `post(tensors)` starts the exchange; `wait()` returns the received tensors.
-    A world of one sends to itself: `wait()` returns what was posted.
+    `post(tensors, into=None)` starts the exchange, receiving into new tensors or
+    into `into`; `wait()` returns the received tensors. A world of one sends to
+    itself: `wait()` returns what was posted.
     """
 
     def __init__(self, group, tag: int = 0):
@@ -46,12 +55,12 @@ class RingComm:
         self.tag = tag
         self.pending: tuple[list[torch.Tensor], list, list[torch.Tensor]] | None = None
 
-    def post(self, tensors) -> None:
+    def post(self, tensors, into=None) -> None:
         tensors = [t.contiguous() for t in tensors]
         if self.world == 1:
             self.pending = (tensors, [], tensors)
             return
-        received = [torch.empty_like(t) for t in tensors]
+        received = [torch.empty_like(t) for t in tensors] if into is None else list(into)
         ops = [
             dist.P2POp(dist.isend, t, group=self.group, tag=self.tag + i, group_peer=self.next)
             for i, t in enumerate(tensors)
@@ -105,16 +114,29 @@ def make_plan(q, k, v, causal: bool, scale: float, layout: str, group) -> RingPl
     return RingPlan(group, world, backend, compute_dtype(q.dtype), steps)
 
 
+# dK/dV move one rank on in this many pieces, through one staging piece.
+ROTATE_PIECES = 16
+
+
 def part(x: torch.Tensor, s: slice) -> torch.Tensor:
-    """Sequence slice of a (B, H, N, ...) tensor, contiguous for the kernels."""
-    return x[:, :, s].contiguous()
+    """Sequence slice of a (B, H, N, ...) tensor: a view (both local backends take any strides)."""
+    return x[:, :, s]
 
 
-def merge_rows(state: BlockSummary, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Merge a normalized `(out, lse)` for `rows` into the running summary, in place."""
-    old = BlockSummary(state.m[:, :, rows], state.l[:, :, rows], state.u[:, :, rows])
-    new = merge(old, as_summary(out, lse, state.u.dtype))
-    state.m[:, :, rows], state.l[:, :, rows], state.u[:, :, rows] = new
+def rotate(comm: RingComm, tensors: list[torch.Tensor], pieces: int = ROTATE_PIECES) -> None:
+    """Send `tensors` (contiguous) to the next rank and overwrite them with the previous rank's, in place.
+
+    Piece by piece through one staging buffer of 1/pieces of each tensor, so
+    only that much memory is added, never a second copy of the tensors.
+    """
+    if comm.world == 1:
+        return
+    chunked = [t.view(-1).chunk(pieces) for t in tensors]
+    staging = [torch.empty_like(c[0]) for c in chunked]
+    for piece in zip(*chunked):
+        comm.post(piece, into=[s[: p.numel()] for s, p in zip(staging, piece)])
+        for p, received in zip(piece, comm.wait()):
+            p.copy_(received)
 
 
 def ring_forward(q, k, v, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,41 +151,46 @@ def ring_forward(q, k, v, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
             out, lse = plan.backend.forward(
                 part(q, block.rows), part(kv[0], block.cols), part(kv[1], block.cols), None, params
             )
-            merge_rows(state, block.rows, out, lse)
+            rows = BlockSummary(*(part(x, block.rows) for x in state))
+            merge_(rows, as_summary(out, lse, plan.dtype))
+            del out, lse
         if step + 1 < plan.world:
             kv = comm.wait()
-    out, lse = finalize(state)
+    del kv
+    out, lse = finalize_(state)
     return out.to(q.dtype), lse
 
 
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
-    """dq, dk, dv for this rank's shards; dK/dV accumulate in the compute dtype while they travel."""
+    """dq, dk, dv for this rank's shards; dK/dV accumulate in the compute dtype while they travel.
+
+    The local backward adds every step straight into float32 (float64) dQ and dK/dV.
+    Between steps, dK/dV move one rank on (`rotate`); the last move brings them home.
+    """
     kv_comm, grad_comm = RingComm(plan.group, tag=0), RingComm(plan.group, tag=2)
     dq = torch.zeros(q.shape, dtype=plan.dtype, device=q.device)
     dkv = [torch.zeros(k.shape, dtype=plan.dtype, device=k.device),
            torch.zeros(v.shape, dtype=plan.dtype, device=v.device)]
     kv = (k, v)
     for step, calls in enumerate(plan.steps):
+        if step > 0:
+            rotate(grad_comm, dkv)  # first: queued behind the next K/V block, it would wait for it
         if step + 1 < plan.world:
             kv_comm.post(kv)
-        grads = [
-            (block, plan.backend.backward(
-                part(dout, block.rows), part(q, block.rows), part(kv[0], block.cols),
-                part(kv[1], block.cols), None, part(out, block.rows), part(lse, block.rows), params,
-            ))
-            for block, params in calls
-        ]
-        if step > 0:
-            dkv = grad_comm.wait()
-        for block, (dq_b, dk_b, dv_b) in grads:
-            dq[:, :, block.rows] += dq_b
-            dkv[0][:, :, block.cols] += dk_b
-            dkv[1][:, :, block.cols] += dv_b
-        grad_comm.post(dkv)
+        for block, params in calls:
+            r, c = block.rows, block.cols
+            plan.backend.backward(
+                part(dout, r), part(q, r), part(kv[0], c), part(kv[1], c), None, part(out, r),
+                part(lse, r), params, accumulate_into=(part(dq, r), part(dkv[0], c), part(dkv[1], c)),
+            )
         if step + 1 < plan.world:
             kv = kv_comm.wait()
-    dk, dv = grad_comm.wait()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    del kv
+    rotate(grad_comm, dkv)
+    dq = dq.to(q.dtype)  # each float32 buffer goes before the next conversion allocates
+    dk = dkv.pop(0).to(k.dtype)
+    dv = dkv.pop(0).to(v.dtype)
+    return dq, dk, dv
 
 
 class RingAttention(torch.autograd.Function):

@@ -6,8 +6,9 @@ interpreter (slow: for tests). `"auto"` picks it only on a CUDA device.
 
 Raw passes for ring attention and other callers (no autograd):
 `TritonBackend.forward(q, k, v, mask, params) -> (out, lse)` and
-`TritonBackend.backward(dout, q, k, v, mask, out, lse, params) -> (dq, dk, dv)`.
-Non-default knobs (atomic dQ, TMA, warp specialization) live in
+`TritonBackend.backward(dout, q, k, v, mask, out, lse, params, accumulate_into=None) -> (dq, dk, dv)`,
+which with `accumulate_into=(dq, dk, dv)` (float32) adds into those tensors instead.
+Non-default knobs (atomic dQ, TMA, the Gluon forward) live in
 `exattn.backends.triton.settings`; see docs/triton.md.
 """
 
@@ -20,6 +21,9 @@ from ..autograd import RecomputingAttention
 from .configs import MAX_HEAD_DIM, interpreting, tile_problems
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Where the Gluon forward beat the Triton one on the H200 (benchmarks/results/gluon-forward-h200.json);
+# at d = 64 it measured 0.93-1.04x, so Triton keeps it.
+GLUON_HEAD_DIM = 128
 MIN_CAPABILITY = (8, 0)
 
 
@@ -65,17 +69,28 @@ def problem_reasons(problem: AttentionProblem) -> list[str]:
 
 
 def triton_forward(q, k, v, mask, params: AttentionParams):
-    """Raw forward pass: out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32 natural log."""
+    """Raw forward pass: out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32 natural log.
+
+    On Hopper at head dim 128 the Gluon kernel (`gluon_forward.py`) serves what it
+    can (measured 1.3-1.4x the Triton kernel there); everything else runs the
+    Triton forward kernel.
+    """
+    from .passes import settings
     from .passes import triton_forward as run
 
+    if settings.use_gluon and q.is_cuda and q.shape[-1] == GLUON_HEAD_DIM:
+        from .gluon_forward import gluon_forward, gluon_supports
+
+        if not gluon_supports(q, k, v, mask, params):
+            return gluon_forward(q, k, v, params)
     return run(q, k, v, mask, params)
 
 
-def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
-    """Raw backward pass: dq, dk, dv for `triton_forward`."""
+def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
+    """Raw backward pass: dq, dk, dv for `triton_forward`, or added into `accumulate_into`."""
     from .passes import triton_backward as run
 
-    return run(dout, q, k, v, mask, out, lse, params)
+    return run(dout, q, k, v, mask, out, lse, params, accumulate_into)
 
 
 class TritonBackend:

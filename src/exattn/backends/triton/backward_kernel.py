@@ -13,6 +13,9 @@ into masked and full runs (tiles.tile_segments). A row with lse = -inf
 (nothing allowed) uses lse = +inf, so its P is 0 and so are its gradients.
 With ATOMIC_DQ the dK/dV kernel also adds dS K into a float32 dQ buffer with
 atomics and the dQ kernel is skipped: fewer FLOPs, not bitwise reproducible.
+With ACCUMULATE each program adds its finished tile to the float32 tile already
+in DK/DVAL (DQ) instead of overwriting it: callers such as ring attention sum
+the gradients of many calls in place. Each tile has one owner: deterministic.
 """
 
 from __future__ import annotations
@@ -167,9 +170,9 @@ def attention_dkdv_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """Grid: (num_col_tiles * B * Hk,). DK, DVAL: (B, Hk, Nk, D/Dv) in k's dtype.
+    """Grid: (num_col_tiles * B * Hk,). DK, DVAL: (B, Hk, Nk, D/Dv) in k's dtype (float32 with ACCUMULATE).
 
     DQ_ACC: float32 (B, Hq, Nq, D), written only with ATOMIC_DQ.
     """
@@ -204,7 +207,11 @@ def attention_dkdv_kernel(
         )
     dk_ptrs = DK + b * dk_strides[0] + hk * dk_strides[1] + c64 * dk_strides[2] + offs_d[None, :] * dk_strides[3]
     dv_ptrs = DVAL + b * dv_strides[0] + hk * dv_strides[1] + c64 * dv_strides[2] + offs_dv[None, :] * dv_strides[3]
-    store_tile(dk_ptrs, dk * scale, cols, len_k, offs_d, D)
+    dk = dk * scale
+    if ACCUMULATE:
+        dk += load_tile(dk_ptrs, cols, len_k, offs_d, D, BLOCK_D, True)
+        dv += load_tile(dv_ptrs, cols, len_k, offs_dv, DV, BLOCK_DV, True)
+    store_tile(dk_ptrs, dk, cols, len_k, offs_d, D)
     store_tile(dv_ptrs, dv, cols, len_k, offs_dv, DV)
 
 
@@ -262,9 +269,9 @@ def attention_dq_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype."""
+    """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype (float32 with ACCUMULATE)."""
     pid = tl.program_id(0)
     bh = pid // num_row_tiles
     tile_m = pid % num_row_tiles
@@ -321,4 +328,7 @@ def attention_dq_kernel(
         DOT_PRECISION,
     )
     dq_ptrs = DQ + b * dq_strides[0] + h * dq_strides[1] + r64 * dq_strides[2] + offs_d[None, :] * dq_strides[3]
-    store_tile(dq_ptrs, dq * scale, rows, len_q, offs_d, D)
+    dq = dq * scale
+    if ACCUMULATE:
+        dq += load_tile(dq_ptrs, rows, len_q, offs_d, D, BLOCK_D, True)
+    store_tile(dq_ptrs, dq, rows, len_q, offs_d, D)

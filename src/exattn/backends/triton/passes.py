@@ -1,7 +1,7 @@
 """Host side of the Triton kernels: the raw forward and backward passes (no autograd).
 
     triton_forward(q, k, v, mask, params) -> (out, lse)
-    triton_backward(dout, q, k, v, mask, out, lse, params) -> (dq, dk, dv)
+    triton_backward(dout, q, k, v, mask, out, lse, params, accumulate_into=None) -> (dq, dk, dv)
 
 Inputs may have any strides (they are passed to the kernels, never copied);
 `mask` is None or a view broadcast to (B, Hq, Nq, Nk), zero strides allowed.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...problem import UNBOUNDED, AttentionParams
+from ...problem import UNBOUNDED, AttentionParams, check_accumulators
 from .backward_kernel import attention_delta_kernel, attention_dkdv_kernel, attention_dq_kernel
 from .configs import TileConfig, choose_config, interpreting, padded_dim, tma_compatible
 from .forward_kernel import attention_forward_kernel
@@ -37,10 +37,14 @@ class TritonSettings:
         (docs/triton.md). Env: EXATTN_TRITON_ATOMIC_DQ=1.
     use_tma: load tiles through TMA tensor descriptors where the strides allow
         (Hopper and newer, and the interpreter). Env: EXATTN_TRITON_TMA=0 turns it off.
+    use_gluon: on sm_90 at head dim 128, run the forward through the Gluon kernel
+        (warp-specialized, GEMM-softmax overlap) where it serves the inputs.
+        Env: EXATTN_TRITON_GLUON=0 turns it off.
     """
 
     atomic_dq: bool = os.environ.get("EXATTN_TRITON_ATOMIC_DQ", "0") == "1"
     use_tma: bool = os.environ.get("EXATTN_TRITON_TMA", "1") == "1"
+    use_gluon: bool = os.environ.get("EXATTN_TRITON_GLUON", "1") == "1"
 
 
 settings = TritonSettings()
@@ -160,17 +164,23 @@ def launch_forward(q, k, v, mask, params: AttentionParams):
     return out, lse
 
 
-def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
-    """dq, dk, dv (in q, k, v's dtypes) for `triton_forward`, recomputing tiles from lse."""
+def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
+    """dq, dk, dv (in q, k, v's dtypes) for `triton_forward`, recomputing tiles from lse.
+
+    accumulate_into: optional float32 (dq, dk, dv) of q, k, v's shapes, any strides:
+    the gradients are added into them, tile by tile inside the kernels, and they are returned.
+    """
+    accumulate_into = check_accumulators(accumulate_into, q, k, v)
     with on_device(q):
-        return launch_backward(dout, q, k, v, mask, out, lse, params)
+        return launch_backward(dout, q, k, v, mask, out, lse, params, accumulate_into)
 
 
-def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
+def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k, dim_v = k.shape[1], k.shape[2], v.shape[3]
+    accumulate = accumulate_into is not None
     if 0 in (batch, heads_q, len_q, len_k):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return accumulate_into if accumulate else (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     lse = lse.to(torch.float32).contiguous()
     delta = torch.empty_like(lse)
     row_tiles = triton.cdiv(len_q, 64)
@@ -184,9 +194,12 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
     use_tma = can_use_tma(q, k, v, dout)
     dims = dict(D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v))
     group = heads_q // heads_k
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if accumulate:
+        dq, dk, dv = accumulate_into
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     atomic = settings.atomic_dq
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
 
@@ -197,9 +210,12 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
         q.stride(), k.stride(), v.stride(), dout.stride(), dk.stride(), dv.stride(),
         dq_acc.stride(), mask_strides, heads_q, group, len_q, len_k, col_tiles, **scalars,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
-        ATOMIC_DQ=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dims, **flags,
+        ATOMIC_DQ=atomic, ACCUMULATE=accumulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dims, **flags,
     )
     if atomic:
+        if accumulate:
+            return dq.add_(dq_acc.mul_(params.scale)), dk, dv
         return (dq_acc * params.scale).to(q.dtype), dk, dv
 
     cfg = config_for("dq", q, v, mask, params)
@@ -209,7 +225,7 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams):
         q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride(), mask_strides,
         heads_q, group, len_q, len_k, row_tiles, **scalars,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
-        HEAVY_FIRST=heavy_first(params), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **dims, **flags,
+        HEAVY_FIRST=heavy_first(params), ACCUMULATE=accumulate, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **dims, **flags,
     )
     return dq, dk, dv

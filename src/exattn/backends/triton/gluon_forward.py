@@ -1,0 +1,379 @@
+"""FA3-style attention forward for Hopper (sm_90), written in Gluon.
+
+    gluon_forward(q, k, v, params) -> (out, lse)
+    gluon_supports(q, k, v, mask, params) -> list of reasons it cannot serve (empty: it can)
+
+Same contract as `passes.triton_forward` for the subset it serves: CUDA sm_90,
+fp16/bf16, D = Dv in {64, 128}, no mask, no dropout, full attention or
+bottom-right causal, GQA, any lengths; out in q's dtype, lse (B, Hq, Nq) float32
+natural log; a row that sees no key gives 0 and lse = -inf.
+
+One program owns 128 query rows of one (batch, query head), split between
+three warp roles (`gl.warp_specialize`):
+
+- a producer warp issues TMA loads: the Q tile once, then K and V tiles into a
+  ring of `STAGES` shared-memory slots, each slot guarded by a "ready"
+  mbarrier (TMA bytes landed) and an "empty" one (both consumers done);
+- two consumer warpgroups, 64 rows each, run the online softmax of
+  `exattn.algebra` in base 2 with intra-warpgroup overlap: the async wgmma
+  S = Q K_j+1^T and the async wgmma O += P_j V_j are issued together, the
+  softmax of tile j+1 runs while P_j V_j is on the tensor cores, and P is fed
+  to the second wgmma from registers.
+
+Row maxima are kept in raw score units, p = exp2(s * c - m * c) with
+c = scale * log2(e) (one FMA per score; this needs scale > 0). Key tiles
+above the causal diagonal are never loaded; only the diagonal / ragged tail
+tiles apply an element mask; causal programs start with the longest rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ...problem import UNBOUNDED, AttentionParams
+from .configs import interpreting, tma_compatible
+from .passes import ensure_allocator, grid_of, on_device, scalar_args
+
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+WINDOWS = ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0))
+# Registers per thread of the consumer and producer partitions, and the cap at launch
+# (12 warps * 168 fit the 64K registers of an SM).
+CONSUMER_REGS: gl.constexpr = gl.constexpr(240)
+PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
+MAXNREG = 168
+
+
+class GluonConfig(NamedTuple):
+    """block_n keys per tile; `stages` K/V slots in the ring; pingpong: the two consumer
+    warpgroups take turns issuing their wgmmas (FA3's scheduler barrier), so one's softmax
+    runs under the other's matmuls."""
+
+    block_n: int
+    stages: int
+    pingpong: bool = False
+
+
+CONFIGS = {64: GluonConfig(128, 4), 128: GluonConfig(128, 2)}
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def key_tiles(m0, len_q, len_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(hi, full): rows [m0, m0 + 128) see key tiles [0, hi); tiles [0, full) need no mask.
+
+    The kernel form of `masks.band_bounds` for window (-1, -1) and (-1, 0).
+    """
+    hi = gl.cdiv(len_k, BLOCK_N)
+    full = len_k // BLOCK_N
+    if CAUSAL:
+        offset = len_k - len_q
+        last = gl.minimum(m0 + 2 * ROWS, len_q) - 1
+        hi = gl.cdiv(gl.maximum(gl.minimum(last + offset + 1, len_k), 0), BLOCK_N)
+        full = gl.minimum(full, gl.maximum(m0 + offset + 1, 0) // BLOCK_N)
+    return hi, full
+
+
+@gluon.jit
+def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles):
+    """Producer warp: Q once, then K_j and V_j into slot j % STAGES once both consumers freed it."""
+    q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [m0 + ROWS, 0], q_bar, q_smem.index(1))
+    for j in range(num_tiles):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def wait_ready(ready, j, STAGES: gl.constexpr):
+    """Block until tile j's TMA bytes have landed in its slot."""
+    mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+
+
+@gluon.jit
+def release(empty, j, STAGES: gl.constexpr):
+    """This warpgroup is done with tile j's slot (the producer waits for both warpgroups)."""
+    mbarrier.arrive(empty.index(j % STAGES), count=1)
+
+
+@gluon.jit
+def take_turn(sched, half: gl.constexpr, turn, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until the other warpgroup has issued its wgmmas of this turn (warpgroup 0 leads)."""
+    if PINGPONG:
+        mbarrier.wait(sched.index(half), (turn + 1 - half) & 1)
+
+
+@gluon.jit
+def pass_turn(sched, half: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(sched.index(1 - half), count=1)
+
+
+# Own combine functions: gl.max / gl.sum wrap triton.language's, which break
+# under TRITON_INTERPRET=1 (set by the CPU test suite that compiles this kernel).
+@gluon.jit
+def larger(a, b):
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def plus(a, b):
+    return a + b
+
+
+@gluon.jit
+def softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2, dtype: gl.constexpr,
+                 p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Fold raw scores s of key tile j into (m_i, l_i); returns P (dot operand), new m, l, alpha."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    if MASK:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        if CAUSAL:
+            last_col = gl.minimum(rows + (len_k - len_q), len_k - 1)
+            s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1), s, float("-inf"))
+        else:
+            s = gl.where(gl.expand_dims(cols < len_k, 0), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.reduce(s, 1, larger))
+    if MASK:
+        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+    m_scaled = m_new * scale_log2
+    alpha = gl.exp2(m_i * scale_log2 - m_scaled)
+    p = gl.exp2(s * scale_log2 - gl.expand_dims(m_scaled, 1))
+    l_i = l_i * alpha + gl.reduce(p, 1, plus)
+    p = gl.convert_layout(p.to(dtype), p_layout)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, m_i, l_i, rows, j,
+                   len_q, len_k, scale_log2, p_layout: gl.constexpr, MASK: gl.constexpr,
+                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """Tile j: S_j = Q K_j^T and O += P_j-1 V_j-1 in flight together, softmax of S_j under the second.
+
+    s_regs (the consumed S_j-1) is reused as the first wgmma's result registers.
+    """
+    q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
+    STAGES: gl.constexpr = k_smem.shape[0]
+    wait_ready(k_ready, j, STAGES)
+    wait_ready(v_ready, j - 1, STAGES)
+    take_turn(sched, half, j, PINGPONG)
+    s_tok = warpgroup_mma(q, k_smem.index(j % STAGES).permute((1, 0)), s_regs, use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+    pass_turn(sched, half, PINGPONG)
+    s = warpgroup_mma_wait(1, deps=(s_tok,))
+    release(k_empty, j, STAGES)
+    p_new, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2,
+                                          v_smem.dtype, p_layout, MASK, CAUSAL)
+    acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+    release(v_empty, j - 1, STAGES)
+    alpha = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
+    acc = acc * gl.expand_dims(alpha, 1)
+    return s, p_new, acc, m_i, l_i
+
+
+@gluon.jit
+def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q,
+                      len_k, num_tiles, full_tiles, scale_log2, CAUSAL: gl.constexpr,
+                      PINGPONG: gl.constexpr):
+    """Consumer warpgroup `half`: rows m0 + 64*half + [0, 64); writes their out (TMA) and lse."""
+    q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    DV: gl.constexpr = v_smem.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    q = q_smem.index(half)
+    rows = m0 + half * ROWS + gl.arange(0, ROWS, layout=row_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+    acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+    if num_tiles > 0:
+        wait_ready(k_ready, 0, STAGES)
+        take_turn(sched, half, 0, PINGPONG)
+        s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+        pass_turn(sched, half, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        release(k_empty, 0, STAGES)
+        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, 0, len_q, len_k, scale_log2,
+                                          v_smem.dtype, p_layout, True, CAUSAL)
+        for j in range(1, full_tiles):
+            s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
+                                                 j, len_q, len_k, scale_log2, p_layout, False, CAUSAL,
+                                                 PINGPONG)
+        for j in range(gl.maximum(full_tiles, 1), num_tiles):
+            s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
+                                                 j, len_q, len_k, scale_log2, p_layout, True, CAUSAL,
+                                                 PINGPONG)
+        last = num_tiles - 1
+        wait_ready(v_ready, last, STAGES)
+        acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        release(v_empty, last, STAGES)
+
+    has_mass = l_i != 0.0  # NaN counts as mass, so NaN propagates
+    safe_l = gl.where(has_mass, l_i, 1.0)
+    lse = gl.where(has_mass, (m_i * scale_log2 + gl.log2(safe_l)) * LN2, float("-inf"))
+    gl.store(lse_row + rows, lse, mask=rows < len_q)
+    inv_l = gl.convert_layout(gl.where(has_mass, 1.0 / safe_l, 0.0), gl.SliceLayout(1, o_layout))
+    o_smem = q_smem.index(half)  # Q's slot is free once the last S wgmma is done
+    o_smem.store((acc * gl.expand_dims(inv_l, 1)).to(o_smem.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [m0 + half * ROWS, 0], o_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def gluon_forward_kernel(
+    Q, K, V, O, LSE, q_strides, k_strides, v_strides, o_strides, heads_q, group, len_q, len_k,
+    num_row_tiles, scale_log2, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+):
+    """Grid: (num_row_tiles * B * Hq,). Strides are (batch, head, row, col); every last stride is 1.
+
+    O: (B, Hq, Nq, D) in q's dtype; LSE: contiguous (B, Hq, Nq) float32, natural log.
+    """
+    pid = gl.program_id(0)
+    bh = pid // num_row_tiles
+    tile_m = pid % num_row_tiles
+    if CAUSAL:
+        tile_m = num_row_tiles - 1 - tile_m
+    b = (bh // heads_q).to(gl.int64)
+    h = (bh % heads_q).to(gl.int64)
+    hk = h // group
+    m0 = tile_m * (2 * ROWS)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b * q_strides[0] + h * q_strides[1], [len_q, D],
+                                        [q_strides[2], 1], [ROWS, D], q_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * k_strides[0] + hk * k_strides[1], [len_k, D],
+                                        [k_strides[2], 1], [BLOCK_N, D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * v_strides[0] + hk * v_strides[1], [len_k, D],
+                                        [v_strides[2], 1], [BLOCK_N, D], kv_layout)
+    o_desc = tma.make_tensor_descriptor(O + b * o_strides[0] + h * o_strides[1], [len_q, D],
+                                        [o_strides[2], 1], [ROWS, D], q_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(sched.index(0), count=1)
+    mbarrier.init(sched.index(1), count=1)
+    bars = (q_bar, k_ready, k_empty, v_ready, v_empty, sched)
+
+    num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
+    lse_row = LSE + bh.to(gl.int64) * len_q
+    consumer_args = (q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
+                     full_tiles, scale_log2, CAUSAL, PINGPONG)
+    gl.warp_specialize([
+        (compute_partition, (0,) + consumer_args),
+        (compute_partition, (1,) + consumer_args),
+        (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
+                   params: AttentionParams) -> list[str]:
+    """Every reason `gluon_forward` cannot serve these inputs (empty if it can)."""
+    reasons = []
+    if interpreting():
+        reasons.append("TRITON_INTERPRET=1 is set: Gluon kernels do not run in Triton's interpreter")
+    elif q.device.type != "cuda":
+        reasons.append(f"needs CUDA tensors on an sm_90 GPU, got device {q.device}")
+    elif torch.cuda.get_device_capability(q.device) != (9, 0):
+        capability = torch.cuda.get_device_capability(q.device)
+        reasons.append(f"needs an sm_90 GPU (wgmma), got compute capability {capability}")
+    if q.dtype not in DTYPES:
+        reasons.append(f"dtype {q.dtype} is not float16 or bfloat16")
+    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in HEAD_DIMS:
+        reasons.append(f"head dims D={q.shape[-1]}, Dv={v.shape[-1]}: need D = Dv in {HEAD_DIMS}")
+    if mask is not None:
+        reasons.append("a user mask is not supported")
+    if params.dropout_p > 0:
+        reasons.append(f"dropout_p={params.dropout_p} is not supported (only 0)")
+    if params.window not in WINDOWS:
+        reasons.append(f"window={params.window} is not supported (full attention or causal only)")
+    if not (math.isfinite(params.scale) and params.scale > 0):
+        reasons.append(f"scale={params.scale} must be positive and finite")
+    if params.block_m is not None or params.block_n is not None:
+        reasons.append(f"tiles are fixed; got block_m={params.block_m}, block_n={params.block_n}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        reasons.append(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not tma_compatible(q, k, v):
+        reasons.append("strides are not TMA-compatible (16-byte aligned base and rows, unit last stride)")
+    return reasons
+
+
+def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
+    """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32, natural log."""
+    reasons = gluon_supports(q, k, v, None, params)
+    if reasons:
+        raise ValueError("gluon_forward cannot serve these inputs: " + "; ".join(reasons))
+    with on_device(q):
+        return launch(q, k, v, params)
+
+
+def launch(q, k, v, params: AttentionParams):
+    batch, heads_q, len_q, dim = q.shape
+    heads_k, len_k = k.shape[1], k.shape[2]
+    out = torch.empty(batch, heads_q, len_q, dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or len_k == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    ensure_allocator()  # device-side TMA descriptors need scratch memory
+    num_tiles = triton.cdiv(len_q, 2 * ROWS.value)
+    gluon_forward_kernel[grid_of(num_tiles, batch * heads_q)](
+        q, k, v, out, lse, q.stride(), k.stride(), v.stride(), out.stride(), heads_q,
+        heads_q // heads_k, len_q, len_k, num_tiles, scalar_args(params)["scale_log2"],
+        **kernel_constants(dim, params.window == (UNBOUNDED, 0)),
+    )
+    return out, lse
+
+
+def kernel_constants(dim: int, causal: bool) -> dict:
+    """Constexpr arguments and launch options of the kernel for head dim `dim`."""
+    cfg = CONFIGS[dim]
+    return dict(D=dim, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
+                num_warps=4, maxnreg=MAXNREG)

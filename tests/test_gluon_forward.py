@@ -1,0 +1,226 @@
+"""The Gluon (sm_90) forward: compiled for Hopper on the CPU, run against the oracle on the GPU.
+
+CPU (CI): every shipped configuration compiles for sm_90a with the wheel's
+ptxas, without spills, inside Hopper's shared memory, and keeps its design
+(warp specialization, the wgmma that stays in flight under the softmax);
+`gluon_supports` names every reason it refuses. GPU (`-m gpu`): awkward shapes
+against the float64 oracle with the shared error rule.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+import exattn
+from exattn.backends.triton import gluon_forward as gf
+from exattn.problem import AttentionParams
+from exattn.reference import attention_ref
+from error_rule import assert_matches_oracle
+
+HOPPER_SHARED_BYTES = 232448
+TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def compile_for_sm90(dim: int, causal: bool, dtype: torch.dtype):
+    """The kernel as `gluon_forward` launches it for contiguous inputs, compiled for sm_90a."""
+    constants = gf.kernel_constants(dim, causal)
+    options = {name: constants.pop(name) for name in ("num_warps", "maxnreg")}
+    signature, constexprs = {}, dict(constants)
+    for i, name in enumerate(gf.gluon_forward_kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in ("Q", "K", "V", "O"):
+            signature[name] = "*" + TYPE_NAMES[dtype]
+        elif name == "LSE":
+            signature[name] = "*fp32"
+        elif name.endswith("strides"):
+            signature[name] = ("i64", "i64", "i32", "constexpr")
+            constexprs[(i, 3)] = 1
+        elif name == "scale_log2":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    source = GluonASTSource(gf.gluon_forward_kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resource_usage(kernel, tmp_path) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of the cubin, read by the wheel's cuobjdump."""
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    report = subprocess.run(
+        [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(cubin)],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", report)}
+
+
+@pytest.mark.parametrize("dim,causal,dtype,pingpong", [
+    (64, False, torch.bfloat16, False), (64, True, torch.bfloat16, False),
+    (128, False, torch.bfloat16, False), (128, True, torch.bfloat16, False),
+    (128, True, torch.float16, False), (128, True, torch.bfloat16, True),
+])
+def test_compiles_for_sm90_without_spills(dim, causal, dtype, pingpong, tmp_path, monkeypatch):
+    monkeypatch.setitem(gf.CONFIGS, dim, gf.CONFIGS[dim]._replace(pingpong=pingpong))
+    kernel = compile_for_sm90(dim, causal, dtype)
+    usage = resource_usage(kernel, tmp_path)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
+    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
+    ptx = kernel.asm["ptx"]
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no warp specialization"
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx, "P V no longer overlaps the softmax"
+    assert "cp.async.bulk.tensor.2d" in ptx, "no TMA loads"
+
+
+def cpu_inputs(dtype=torch.bfloat16, dim=64, heads=(2, 2)):
+    q = torch.randn(1, heads[0], 8, dim).to(dtype)
+    k = torch.randn(1, heads[1], 8, dim).to(dtype)
+    return q, k, torch.randn(1, heads[1], 8, dim).to(dtype)
+
+
+def test_supports_names_every_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = cpu_inputs(torch.float32, dim=81, heads=(3, 2))
+    q, k = q[..., :80], k[..., :80]  # rows of 81 floats: not 16-byte aligned
+    params = AttentionParams(scale=-1.0, window=(4, 0), dropout_p=0.1, block_m=64)
+    reasons = " | ".join(gf.gluon_supports(q, k, v[..., :48], torch.ones(8, 8, dtype=torch.bool), params))
+    for words in ("CUDA", "float32", "D=80, Dv=48", "mask", "dropout_p=0.1", "window=(4, 0)",
+                  "scale=-1.0", "block_m=64", "multiple of key/value heads", "TMA"):
+        assert words in reasons, (words, reasons)
+
+
+@pytest.mark.parametrize("interpret,words", [("0", "CUDA"), ("1", "TRITON_INTERPRET")])
+def test_supports_only_names_the_device_for_good_cpu_inputs(interpret, words, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    q, k, v = cpu_inputs()
+    reasons = gf.gluon_supports(q, k, v, None, AttentionParams(scale=0.125, window=(-1, 0)))
+    assert len(reasons) == 1 and words in reasons[0], reasons
+    with pytest.raises(ValueError, match=words):
+        gf.gluon_forward(q, k, v, AttentionParams(scale=0.125))
+
+
+# ---------------------------------------------------------------- GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def gpu_inputs(b, hq, hk, nq, nk, d, dtype, layout="bhnd", logit_scale=1.0):
+    def one(h, n, scale=1.0):
+        if layout == "bnhd":
+            x = torch.randn(b, n, h, d, device="cuda").transpose(1, 2)
+        else:
+            x = torch.randn(b, h, n, d, device="cuda")
+        return (x * scale).to(dtype)
+    return one(hq, nq, logit_scale), one(hk, nk), one(hk, nk)
+
+
+def check(q, k, v, causal):
+    params = AttentionParams(scale=q.shape[-1] ** -0.5, window=(-1, 0) if causal else (-1, -1))
+    assert gf.gluon_supports(q, k, v, None, params) == []
+    out, lse = gf.gluon_forward(q, k, v, params)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    naive = exattn.attention(q, k, v, causal=causal, backend="naive", return_lse=True)
+    ref = attention_ref(q, k, v, causal=causal, return_lse=True)
+    for name, ours, base, r in zip(("out", "lse"), (out, lse), naive, ref):
+        assert_matches_oracle(name, ours, base, r, q.dtype)
+    return out, lse
+
+
+SHAPES = [  # (B, Hq, Hk, Nq, Nk)
+    (1, 2, 2, 1, 1),
+    (2, 4, 1, 1, 300),      # one query row, MQA
+    (1, 2, 2, 64, 64),
+    (1, 6, 2, 77, 211),     # GQA, Nq < Nk, ragged
+    (2, 2, 1, 257, 129),    # Nq > Nk: causal rows with no key
+    (1, 2, 2, 300, 300),
+    (1, 3, 3, 200, 17),
+    (1, 2, 2, 1000, 1000),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_oracle(dtype, d, causal, shape):
+    torch.manual_seed(hash((d, causal) + shape) % 2**31)
+    check(*gpu_inputs(*shape, d, dtype), causal)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_fully_masked_rows_give_zero_and_minus_inf(dtype, d):
+    torch.manual_seed(3)
+    q, k, v = gpu_inputs(1, 2, 2, 300, 70, d, dtype)
+    out, lse = check(q, k, v, causal=True)
+    empty = 300 - 70  # rows i with i + Nk - Nq < 0
+    assert (out[:, :, :empty] == 0).all() and (lse[:, :, :empty] == float("-inf")).all()
+    assert torch.isfinite(lse[:, :, empty:]).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_huge_logits_and_strided_inputs(dtype, causal):
+    torch.manual_seed(4)
+    check(*gpu_inputs(2, 4, 2, 333, 515, 128, dtype, layout="bnhd", logit_scale=60.0), causal)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence_many_pipeline_rounds(causal):
+    torch.manual_seed(5)
+    check(*gpu_inputs(1, 2, 1, 2048, 4100, 128, torch.bfloat16), causal)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_pingpong_schedule_matches_oracle(d, causal, monkeypatch):
+    monkeypatch.setitem(gf.CONFIGS, d, gf.CONFIGS[d]._replace(pingpong=True))
+    torch.manual_seed(6)
+    for shape in [(1, 4, 2, 1000, 1000), (2, 2, 1, 257, 129)]:
+        check(*gpu_inputs(*shape, d, torch.bfloat16), causal)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_backend_uses_gluon_at_d128_with_correct_gradients(causal, monkeypatch):
+    from exattn.backends.triton import settings
+
+    calls = []
+    real = gf.gluon_forward
+    monkeypatch.setattr(gf, "gluon_forward", lambda *args: calls.append(1) or real(*args))
+    torch.manual_seed(7)
+    q, k, v = (x.requires_grad_() for x in gpu_inputs(2, 4, 2, 333, 515, 128, torch.bfloat16))
+    dout = torch.randn(2, 4, 333, 128, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for backend in ("triton", "naive"):
+        out = exattn.attention(q, k, v, causal=causal, backend=backend)
+        grads[backend] = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    assert len(calls) == 1  # the triton backend's forward went through Gluon
+    ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out = attention_ref(*ref_inputs, causal=causal)
+    ref = (ref_out, *torch.autograd.grad(ref_out, ref_inputs, dout.double()))
+    for name, ours, base, r in zip(("out", "dq", "dk", "dv"), grads["triton"], grads["naive"], ref):
+        assert_matches_oracle(name, ours, base, r, q.dtype)
+    monkeypatch.setattr(settings, "use_gluon", False)
+    exattn.attention(q, k, v, causal=causal, backend="triton")
+    assert len(calls) == 1  # switched off: the Triton forward kernel
