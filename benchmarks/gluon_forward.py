@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -30,7 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import attention_flops  # noqa: E402
-from prefill import HIDDEN, TOKENS, attention_function, make_inputs, versions  # noqa: E402
+from prefill import HIDDEN, TOKENS, attention_function, make_inputs, prewarm, versions  # noqa: E402
 
 IMPLS = ("gluon", "exattn-triton", "sdpa-cudnn", "sdpa-flash", "flex")
 ANCHORS = ("sdpa-cudnn", "flex", "exattn-triton")
@@ -129,15 +127,6 @@ def warm_one(job):
         return f"{impl} {cell}: {type(exc).__name__}"
 
 
-def prewarm(jobs, workers):
-    if workers <= 0 or not jobs:
-        return
-    start = time.time()
-    with mp.get_context("spawn").Pool(workers) as pool:
-        failures = [f for f in pool.imap_unordered(warm_one, jobs) if f]
-    print(f"pre-compiled {len(jobs)} jobs in {time.time() - start:.0f}s; failures: {failures}", flush=True)
-
-
 def row_for(impl, cell, args):
     row = dict(impl=impl, **cell, fwd_tflops=None, fwd_ms=None, error=None)
     try:
@@ -179,7 +168,7 @@ def main(argv=None):
     impls = impl_names(args)
     all_cells = list(cells(args))
     prewarm([(impl, cell) for cell in all_cells for impl in impls
-             if impl.startswith("gluon") or impl in ("exattn-triton", "flex")], args.workers)
+             if impl.startswith("gluon") or impl in ("exattn-triton", "flex")], args.workers, warm_one)
     meta = versions()
     print(json.dumps(meta), flush=True)
     out_path = Path(args.out)

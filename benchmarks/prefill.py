@@ -143,12 +143,13 @@ def warm_one(job):
         return f"{impl} {cell}: {type(exc).__name__}"
 
 
-def prewarm(jobs, workers):
+def prewarm(jobs, workers, warm=warm_one):
+    """Run `warm(job)` for every job in `workers` spawned processes (shared on-disk kernel caches)."""
     if workers <= 0 or not jobs:
         return
     start = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
-        failures = [f for f in pool.imap_unordered(warm_one, jobs) if f]
+        failures = [f for f in pool.imap_unordered(warm, jobs) if f]
     print(f"pre-compiled {len(jobs)} jobs in {time.time() - start:.0f}s with {workers} workers; "
           f"{len(failures)} failed", flush=True)
 
