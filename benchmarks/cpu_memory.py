@@ -12,7 +12,9 @@ Each run also records what stays resident after the call returns and its
 tensors are freed, split as /proc reports it: file-backed pages (library code
 paged in at first use) and anonymous memory (e.g. MKL's GEMM buffers). That
 is one-time process set-up (and allocator caches), not the call's working memory; `transient` is the
-peak growth minus it.
+peak growth minus it. `--trace` instead runs one cold tiled forward and
+records, per PyTorch operator, the resident memory its first calls added
+(writes cpu-memory-first-call.json).
 """
 
 from __future__ import annotations
@@ -86,14 +88,58 @@ def measure(variant: str, shape, warm: bool) -> dict[str, float]:
     return result
 
 
+def trace_first_calls(shape, queue) -> None:
+    """Resident MiB each operator adds while a fresh process runs its first tiled forward."""
+    from torch.overrides import TorchFunctionMode
+
+    import exattn
+
+    q, k, v = (torch.randn(shape) for _ in range(3))
+    added: dict[str, dict[str, float]] = {}
+
+    class Recorder(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            before = resident_mib()
+            result = func(*args, **(kwargs or {}))
+            name = getattr(func, "__name__", str(func))
+            for key, value in resident_mib().items():
+                entry = added.setdefault(name, {"RssFile": 0.0, "RssAnon": 0.0})
+                entry[key] += max(0.0, value - before[key])
+            return result
+
+    with Recorder():
+        exattn.attention(q, k, v, backend="tiled")
+    queue.put(dict(sorted(added.items(), key=lambda item: -sum(item[1].values()))))
+
+
+def trace(shape) -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=trace_first_calls, args=(shape, queue))
+    proc.start()
+    added = queue.get()
+    proc.join()
+    for name, mib in list(added.items())[:15]:
+        print(f"{name:>20}: file-backed {mib['RssFile']:5.1f} MiB, anonymous {mib['RssAnon']:5.1f} MiB")
+    print(f"total over {len(added)} operators: file-backed {sum(m['RssFile'] for m in added.values()):.1f} MiB, "
+          f"anonymous {sum(m['RssAnon'] for m in added.values()):.1f} MiB")
+    write_json("cpu-memory-first-call.json", {
+        "shape_bhnd": shape, "dtype": "float32", "environment": environment(), "added_mib": added,
+    })
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--trace", action="store_true", help="per-operator first-call memory of a cold tiled forward")
     args = parser.parse_args()
     shape = (args.batch, args.heads, args.seq_len, args.head_dim)
+    if args.trace:
+        trace(shape)
+        return
     rows, summary = [], {}
     for state in ("cold", "warm"):
         for variant in VARIANTS:
