@@ -106,6 +106,14 @@ def test_supports_only_names_the_device_for_good_cpu_inputs(interpret, words, mo
         gf.gluon_forward(q, k, v, AttentionParams(scale=0.125))
 
 
+
+@pytest.mark.parametrize("version,expected", [("3.6.0", True), ("3.6.1+git1234", True), ("3.5.1", False), ("3.7.0", False)])
+def test_gluon_only_with_the_triton_it_was_written_for(version, expected, monkeypatch):
+    from exattn.backends.triton import gluon_written_for_this_triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+    assert gluon_written_for_this_triton() is expected
+
 # ---------------------------------------------------------------- GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

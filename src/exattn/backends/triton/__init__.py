@@ -24,6 +24,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Where the Gluon forward beat the Triton one on the H200 (benchmarks/results/gluon-forward-h200.json);
 # at d = 64 it measured 0.93-1.04x, so Triton keeps it.
 GLUON_HEAD_DIM = 128
+GLUON_TRITON = (3, 6)
 MIN_CAPABILITY = (8, 0)
 
 
@@ -68,6 +69,13 @@ def problem_reasons(problem: AttentionProblem) -> list[str]:
     return reasons
 
 
+def gluon_written_for_this_triton() -> bool:
+    """Gluon is experimental and its API moves between releases: the kernel is written for 3.6."""
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2]) == GLUON_TRITON
+
+
 def triton_forward(q, k, v, mask, params: AttentionParams):
     """Raw forward pass: out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32 natural log.
 
@@ -78,7 +86,7 @@ def triton_forward(q, k, v, mask, params: AttentionParams):
     from .passes import settings
     from .passes import triton_forward as run
 
-    if settings.use_gluon and q.is_cuda and q.shape[-1] == GLUON_HEAD_DIM:
+    if settings.use_gluon and q.is_cuda and q.shape[-1] == GLUON_HEAD_DIM and gluon_written_for_this_triton():
         from .gluon_forward import gluon_forward, gluon_supports
 
         if not gluon_supports(q, k, v, mask, params):
