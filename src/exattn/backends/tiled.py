@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..algebra import empty_summary, exp_, finalize, merge_, summarize_
+from ..algebra import empty_summary, exp_, finalize_, merge_, summarize_
 from ..dropout import keep_tile
 from ..masks import apply_masks, band_bounds, band_rows
 from ..problem import AttentionParams, AttentionProblem, check_accumulators, compute_dtype
@@ -123,7 +123,7 @@ def tiled_forward(q, k, v, mask, params: AttentionParams):
             v_tile = v[:, :, cols.start:cols.stop].to(ctx.dtype)
             scores = ctx.scores(q_tile, k_tile, rows, cols)
             merge_(state, summarize_(scores, v_tile, ctx.dropout_weights(rows, cols)))
-        out_tile, lse_tile = finalize(state)
+        out_tile, lse_tile = finalize_(state)
         out5[..., rows.start:rows.stop, :] = ctx.unstack(out_tile, rows)
         lse5[..., rows.start:rows.stop] = ctx.unstack(lse_tile, rows)
     return out, lse
