@@ -16,6 +16,7 @@ adds Gluon rows with other tiles for one head dim: "dim:BLOCK_NxSTAGES", with
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import traceback
@@ -34,18 +35,23 @@ IMPLS = ("gluon", "exattn-triton", "sdpa-cudnn", "sdpa-flash", "flex")
 ANCHORS = ("sdpa-cudnn", "flex", "exattn-triton")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_benchmark_args(argv, description: str, variants_help: str, out_name: str):
+    """The options shared by the Gluon forward and backward benchmarks."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", default="4096,8192,16384")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--causal", default="0,1")
     p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--variants", default="", help="extra Gluon configs: 'dim:BLOCK_NxSTAGES[pp],...'")
+    p.add_argument("--variants", default="", help=f"extra Gluon configs: {variants_help}")
     p.add_argument("--warmup-ms", type=float, default=25)
     p.add_argument("--rep-ms", type=float, default=100)
     p.add_argument("--workers", type=int, default=12, help="processes that pre-compile in parallel (0: none)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/gluon-forward-h200.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results" / out_name))
     return p.parse_args(argv)
+
+
+def parse_args(argv=None):
+    return parse_benchmark_args(argv, __doc__, "'dim:BLOCK_NxSTAGES[pp],...'", "gluon-forward-h200.json")
 
 
 def cells(args):
@@ -117,7 +123,7 @@ def measure(impl, cell, warmup_ms, rep_ms):
         restore_configs(saved)
 
 
-def warm_one(job):
+def warm_with(measure, job):
     """Worker: run one (impl, cell) once so its kernels land in the on-disk caches."""
     impl, cell = job
     try:
@@ -127,8 +133,9 @@ def warm_one(job):
         return f"{impl} {cell}: {type(exc).__name__}"
 
 
-def row_for(impl, cell, args):
-    row = dict(impl=impl, **cell, fwd_tflops=None, fwd_ms=None, error=None)
+def row_for(impl, cell, args, measure, pass_name: str):
+    """One result row: `{pass_name}_ms` and `{pass_name}_tflops` ("fwd" or "bwd"), or the error."""
+    row = dict(impl=impl, **cell, error=None, **{f"{pass_name}_tflops": None, f"{pass_name}_ms": None})
     try:
         ms = measure(impl, cell, args.warmup_ms, args.rep_ms)
     except Exception as exc:
@@ -139,13 +146,14 @@ def row_for(impl, cell, args):
     if ms is None:
         return None
     sizes = (cell["batch"], cell["heads"], cell["seqlen"], cell["seqlen"], cell["head_dim"], cell["causal"])
-    row.update(fwd_ms=ms, fwd_tflops=attention_flops(*sizes) / ms * 1e-9)
+    flops = attention_flops(*sizes, backward=pass_name == "bwd")
+    row.update({f"{pass_name}_ms": ms, f"{pass_name}_tflops": flops / ms * 1e-9})
     return row
 
 
-def ratio_table(rows) -> str:
-    """Markdown: each Gluon row's TFLOP/s and its ratios to cuDNN, Flex and exattn's Triton forward."""
-    index = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["fwd_tflops"] for r in rows}
+def ratio_table(rows, pass_name: str) -> str:
+    """Markdown: each Gluon row's TFLOP/s and its ratios to cuDNN, Flex and exattn's Triton pass."""
+    index = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r[f"{pass_name}_tflops"] for r in rows}
     lines = ["| impl | d | causal | N | TFLOP/s | cuDNN | x cuDNN | Flex | x Flex | exattn-triton | x triton |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -163,12 +171,13 @@ def ratio_table(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def run_benchmark(args, measure, pass_name: str) -> None:
+    """Pre-compile, then time every (impl, cell) with `measure`; rows are written as they finish."""
     impls = impl_names(args)
     all_cells = list(cells(args))
-    prewarm([(impl, cell) for cell in all_cells for impl in impls
-             if impl.startswith("gluon") or impl in ("exattn-triton", "flex")], args.workers, warm_one)
+    compiled = [(impl, cell) for cell in all_cells for impl in impls
+                if impl.startswith("gluon") or impl in ("exattn-triton", "flex")]
+    prewarm(compiled, args.workers, functools.partial(warm_with, measure))
     meta = versions()
     print(json.dumps(meta), flush=True)
     out_path = Path(args.out)
@@ -176,14 +185,18 @@ def main(argv=None):
     rows = []
     for cell in all_cells:
         for impl in impls:
-            row = row_for(impl, cell, args)
+            row = row_for(impl, cell, args, measure, pass_name)
             if row is None:
                 continue
             rows.append(row)
             print(f"{impl:22s} d={cell['head_dim']} causal={int(cell['causal'])} N={cell['seqlen']:5d} "
-                  f"fwd={row['fwd_tflops'] or 0:6.1f} {row['error'] or ''}", flush=True)
+                  f"{pass_name}={row[f'{pass_name}_tflops'] or 0:6.1f} {row['error'] or ''}", flush=True)
             out_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(ratio_table(rows))
+    print(ratio_table(rows, pass_name))
+
+
+def main(argv=None):
+    run_benchmark(parse_args(argv), measure, "fwd")
 
 
 if __name__ == "__main__":

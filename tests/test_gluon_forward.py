@@ -120,14 +120,16 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def gpu_inputs(b, hq, hk, nq, nk, d, dtype, layout="bhnd", logit_scale=1.0):
+def gpu_inputs(b, hq, hk, nq, nk, d, dtype, layout="bhnd", logit_scale=1.0, with_dout=False):
+    """q, k, v (and dout) on the GPU; layout "bnhd" gives (B, N, H, D) storage seen as (B, H, N, D)."""
     def one(h, n, scale=1.0):
         if layout == "bnhd":
             x = torch.randn(b, n, h, d, device="cuda").transpose(1, 2)
         else:
             x = torch.randn(b, h, n, d, device="cuda")
         return (x * scale).to(dtype)
-    return one(hq, nq, logit_scale), one(hk, nk), one(hk, nk)
+    tensors = (one(hq, nq, logit_scale), one(hk, nk), one(hk, nk))
+    return tensors + (one(hq, nq),) if with_dout else tensors
 
 
 def check(q, k, v, causal):

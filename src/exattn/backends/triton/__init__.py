@@ -24,6 +24,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Where the Gluon forward beat the Triton one on the H200 (benchmarks/results/gluon-forward-h200.json);
 # at d = 64 it measured 0.93-1.04x, so Triton keeps it.
 GLUON_HEAD_DIM = 128
+# Where the Gluon backward beat the Triton one on the H200 (benchmarks/results/gluon-backward-h200.json):
+# 1.06-1.10x at d = 128; at d = 64 0.88-1.04x, so Triton keeps it.
+GLUON_BACKWARD_HEAD_DIMS = (128,)
 GLUON_TRITON = (3, 6)
 MIN_CAPABILITY = (8, 0)
 
@@ -95,9 +98,21 @@ def triton_forward(q, k, v, mask, params: AttentionParams):
 
 
 def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
-    """Raw backward pass: dq, dk, dv for `triton_forward`, or added into `accumulate_into`."""
+    """Raw backward pass: dq, dk, dv for `triton_forward`, or added into `accumulate_into`.
+
+    On Hopper at the head dims of GLUON_BACKWARD_HEAD_DIMS the Gluon kernels
+    (`gluon_backward.py`, deterministic) serve what they can, unless the atomic dQ
+    variant is asked for; everything else runs the Triton kernels.
+    """
+    from .passes import settings
     from .passes import triton_backward as run
 
+    if (settings.use_gluon and not settings.atomic_dq and q.is_cuda
+            and q.shape[-1] in GLUON_BACKWARD_HEAD_DIMS and gluon_written_for_this_triton()):
+        from . import gluon_backward as gb
+
+        if not gb.gluon_backward_supports(q, k, v, mask, params, dout):
+            return gb.gluon_backward(dout, q, k, v, out, lse, params, accumulate_into)
     return run(dout, q, k, v, mask, out, lse, params, accumulate_into)
 
 

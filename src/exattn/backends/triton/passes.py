@@ -175,6 +175,18 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
         return launch_backward(dout, q, k, v, mask, out, lse, params, accumulate_into)
 
 
+def row_deltas(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(out * dout) in float32, contiguous (B, Hq, Nq): the backward's preprocess."""
+    batch, heads_q, len_q, dim_v = out.shape
+    delta = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=out.device)
+    row_tiles = triton.cdiv(len_q, 64)
+    attention_delta_kernel[grid_of(row_tiles, batch * heads_q)](
+        out, dout, delta, out.stride(), dout.stride(), heads_q, len_q, row_tiles,
+        DV=dim_v, BLOCK_M=64, BLOCK_DV=padded_dim(dim_v), num_warps=4,
+    )
+    return delta
+
+
 def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k, dim_v = k.shape[1], k.shape[2], v.shape[3]
@@ -182,12 +194,7 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     if 0 in (batch, heads_q, len_q, len_k):
         return accumulate_into if accumulate else (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     lse = lse.to(torch.float32).contiguous()
-    delta = torch.empty_like(lse)
-    row_tiles = triton.cdiv(len_q, 64)
-    attention_delta_kernel[grid_of(row_tiles, batch * heads_q)](
-        out, dout, delta, out.stride(), dout.stride(), heads_q, len_q, row_tiles,
-        DV=dim_v, BLOCK_M=64, BLOCK_DV=padded_dim(dim_v), num_warps=4,
-    )
+    delta = row_deltas(out, dout)
     mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
     flags = kernel_flags(q, params)
     scalars = dict(scalar_args(params), scale=params.scale)

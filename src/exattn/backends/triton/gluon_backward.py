@@ -1,0 +1,530 @@
+"""FA3-style attention backward for Hopper (sm_90), written in Gluon.
+
+    gluon_backward(dout, q, k, v, out, lse, params, accumulate_into=None) -> (dq, dk, dv)
+    gluon_backward_supports(q, k, v, mask, params, dout=None) -> reasons it cannot serve (empty: it can)
+
+Same contract as `passes.triton_backward` for the subset it serves (that of
+`gluon_forward.gluon_supports`: sm_90, fp16/bf16, D = Dv in {64, 128}, no mask,
+no dropout, full or bottom-right causal, GQA, any lengths, TMA-compatible
+strides). With P = exp(S - lse) recomputed from the saved lse (base 2 inside)
+and delta = rowsum(O * dO) (`attention_delta_kernel`):
+
+    dV = P^T dO,   dS = P * (dO V^T - delta),   dK = scale dS^T Q,   dQ = scale dS K
+
+`gluon_dkdv_kernel`: one program owns 128 keys of one (batch, K/V head) and
+sweeps the query tiles that can see them, for every query head of its GQA
+group in a fixed order. A producer warp loads K and V once and streams Q, dO
+and their rows of lse * log2(e) and delta through TMA into a ring of `stages`
+slots ("ready" / "empty" mbarriers, as in the forward); two consumer warpgroups
+of 64 keys each issue S^T = K Q^T and dP^T = V dO^T as asynchronous wgmmas,
+exponentiate S^T while dP^T is on the tensor cores, form dS^T, and issue
+dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers (the other
+warpgroup's wgmmas keep the tensor cores busy meanwhile).
+
+`gluon_dq_kernel`: one program owns 128 query rows of one (batch, query head),
+two consumer warpgroups of 64 rows; the producer loads Q and dO once and
+streams K and V tiles (the forward's key range: causal tiles above the
+diagonal are never loaded); per tile S = Q K^T and dP = dO V^T in flight
+together, P under dP, dQ += dS K with dS from registers.
+
+Each output element has one owner and a fixed summation order, no atomics:
+reruns are bitwise equal. A query row with lse = -inf (it sees no key) uses
++inf, so its P and its gradients are 0. With `accumulate_into` the finished
+tiles are added to the float32 tensors given (ring attention).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ...problem import UNBOUNDED, AttentionParams, check_accumulators
+from .configs import tma_compatible
+from .gluon_forward import (
+    CONSUMER_REGS,
+    MAXNREG,
+    PRODUCER_REGS,
+    ROWS,
+    gluon_supports,
+    key_tiles,
+    load_partition,
+    release,
+    wait_ready,
+)
+from .passes import LOG2E, ensure_allocator, grid_of, on_device, row_deltas
+
+
+class GluonBackwardConfig(NamedTuple):
+    """dkdv_block_m: queries per step of the dK/dV sweep, with `dkdv_stages` Q/dO slots;
+    dq_block_n: keys per step of the dQ sweep, with `dq_stages` K/V slots."""
+
+    dkdv_block_m: int
+    dkdv_stages: int
+    dq_block_n: int
+    dq_stages: int
+
+
+CONFIGS = {64: GluonBackwardConfig(64, 4, 64, 4), 128: GluonBackwardConfig(64, 4, 64, 4)}
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+@gluon.jit
+def store_rows(ptr, row_stride, col_stride, x, first_row, n_rows, ACCUMULATE: gl.constexpr):
+    """x into rows first_row + [0, R) (those < n_rows) of ptr; with ACCUMULATE added to the float32 there."""
+    R: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    layout: gl.constexpr = x.type.layout
+    rows = first_row + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+    dims = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    offs = (gl.expand_dims(rows.to(gl.int64) * row_stride, 1)
+            + gl.expand_dims(dims.to(gl.int64) * col_stride, 0))
+    inside = gl.expand_dims(rows < n_rows, 1) & gl.expand_dims(dims < C, 0)
+    if ACCUMULATE:
+        x = x + gl.load(ptr + offs, mask=inside, other=0.0)
+    gl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=inside)
+
+
+# ---------------------------------------------------------------- dK / dV
+
+
+@gluon.jit
+def query_tiles(n0, len_q, len_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(lo, full, hi): keys [n0, n0 + 128) are seen by query tiles [lo, hi); [full, hi) need no mask.
+
+    The kernel form of `masks.band_rows` for window (-1, -1) and (-1, 0).
+    """
+    hi = gl.cdiv(len_q, BLOCK_M)
+    lo = hi * 0
+    full = lo
+    if CAUSAL:
+        offset = len_k - len_q
+        lo = gl.minimum(gl.maximum(n0 - offset, 0) // BLOCK_M, hi)
+        last_key = n0 + 2 * ROWS - 1
+        full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(last_key - offset, 0), BLOCK_M), lo), hi)
+    return lo, full, hi
+
+
+@gluon.jit
+def as_box(smem, desc):
+    """A [rows, D] slot seen as the [1, rows, D] box of a (heads, rows, D) descriptor."""
+    return smem._reinterpret(smem.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+                        v_smem, lse_smem, delta_smem, bars, n0, bh0, len_q, len_q_pad, group, lo, hi):
+    """Producer warp: K, V once; then Q, lse and dO, delta of (head g, tile t) into slot j % STAGES."""
+    kv_bar, q_ready, do_ready, empty = bars
+    STAGES: gl.constexpr = q_smem.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [n0 + half * ROWS, 0], kv_bar, k_smem.index(half))
+        tma.async_copy_global_to_shared(v_desc, [n0 + half * ROWS, 0], kv_bar, v_smem.index(half))
+    tiles = gl.maximum(hi - lo, 0)
+    for j in range(group * tiles):
+        g = j // tiles
+        row = (lo + j % tiles) * BLOCK_M
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        ready = q_ready.index(slot)
+        mbarrier.expect(ready, q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [g, row, 0], ready, as_box(q_smem.index(slot), q_desc))
+        tma.async_copy_global_to_shared(lse_desc, [(bh0 + g) * len_q_pad + row], ready, lse_smem.index(slot))
+        ready = do_ready.index(slot)
+        mbarrier.expect(ready, do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [g, row, 0], ready, as_box(do_smem.index(slot), do_desc))
+        tma.async_copy_global_to_shared(delta_desc, [(bh0 + g) * len_q_pad + row], ready, delta_smem.index(slot))
+
+
+@gluon.jit
+def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, keys, t, j, full, len_q, len_k,
+              scale_log2, s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr):
+    """One query tile t (ring slot of step j) into (dk, dv); tiles t < full are masked (causal diagonal)."""
+    kv_bar, q_ready, do_ready, empty = bars
+    STAGES: gl.constexpr = q_smem.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
+    ROWS_: gl.constexpr = k.shape[0]
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    slot = j % STAGES
+    q = q_smem.index(slot)
+    do = do_smem.index(slot)
+    wait_ready(q_ready, j, STAGES)
+    s_tok = warpgroup_mma(k, q.permute((1, 0)), gl.zeros([ROWS_, BLOCK_M], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    wait_ready(do_ready, j, STAGES)
+    dp_tok = warpgroup_mma(v, do.permute((1, 0)), gl.zeros([ROWS_, BLOCK_M], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+    lse2 = lse_smem.index(slot).load(col_layout)
+    s = warpgroup_mma_wait(1, deps=(s_tok,))
+    p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 0))
+    if CAUSAL:
+        if t < full:  # key n is seen by query m iff n - (Nk - Nq) - t * BLOCK_M <= m - t * BLOCK_M
+            rows = gl.arange(0, ROWS_, layout=gl.SliceLayout(1, s_layout))
+            seen = (gl.expand_dims(rows + (keys - t * BLOCK_M), 1)
+                    <= gl.expand_dims(gl.arange(0, BLOCK_M, layout=col_layout), 0))
+            p = gl.where(seen, p, 0.0)
+    delta = delta_smem.index(slot).load(col_layout)
+    dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+    ds = p * (dp - gl.expand_dims(delta, 0))
+    p_op = gl.convert_layout(p.to(q.dtype), op_layout)
+    ds_op = gl.convert_layout(ds.to(q.dtype), op_layout)
+    dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+    dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+    release(empty, j, STAGES)
+    return dk, dv
+
+
+@gluon.jit
+def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars,
+                           DK, DV, dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
+                           scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
+    """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV."""
+    kv_bar = bars[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
+    D: gl.constexpr = q_smem.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    k = k_smem.index(half)
+    v = v_smem.index(half)
+    n0 = (gl.program_id(0) % num_col_tiles) * (2 * ROWS)
+    lo, full, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
+    keys = n0 + half * ROWS - (len_k - len_q)  # the first key, shifted onto the query axis
+    dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    tiles = gl.maximum(hi - lo, 0)
+    mbarrier.wait(kv_bar, 0)
+    for j in range(group * tiles):
+        dk, dv = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, keys, lo + j % tiles, j,
+                           full, len_q, len_k, scale_log2, s_layout, op_layout, CAUSAL)
+    pid = gl.program_id(0)
+    heads_k = heads_q // group
+    bhk = pid // num_col_tiles
+    b = (bhk // heads_k).to(gl.int64)
+    hk = (bhk % heads_k).to(gl.int64)
+    first = (pid % num_col_tiles) * (2 * ROWS) + half * ROWS
+    store_rows(DK + b * dk_strides[0] + hk * dk_strides[1], dk_strides[2], dk_strides[3], dk * scale, first,
+               len_k, ACCUMULATE)
+    store_rows(DV + b * dv_strides[0] + hk * dv_strides[1], dv_strides[2], dv_strides[3], dv, first,
+               len_k, ACCUMULATE)
+
+
+@gluon.jit
+def gluon_dkdv_kernel(
+    Q, K, V, DO, LSE2, DELTA, DK, DV, q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
+    batch_heads, heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, scale_log2, scale,
+    D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+):
+    """Grid: (num_col_tiles * B * Hk,). Strides are (batch, head, row, col); q/k/v/do last strides are 1.
+
+    DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE.
+    LSE2, DELTA: contiguous (B * Hq, len_q_pad) float32 (len_q_pad: Nq rounded up to BLOCK_M, so a
+    1-D TMA box never exceeds the tensor, batch_heads * len_q_pad < 2**31): lse * log2(e) with
+    +inf where lse = -inf and in the padding; rowsum(O * dO) with 0 in the padding.
+    """
+    pid = gl.program_id(0)
+    heads_k = heads_q // group
+    bhk = pid // num_col_tiles
+    n0 = (pid % num_col_tiles) * (2 * ROWS)
+    b = (bhk // heads_k).to(gl.int64)
+    hk = (bhk % heads_k).to(gl.int64)
+    h0 = hk * group
+    dtype: gl.constexpr = Q.dtype.element_ty
+    box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
+    stat_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
+    # Q and dO of the whole GQA group as (group, Nq, D): ragged tails are zero-filled per head.
+    q_desc = tma.make_tensor_descriptor(Q + b * q_strides[0] + h0 * q_strides[1], [group, len_q, D],
+                                        [q_strides[1], q_strides[2], 1], [1, BLOCK_M, D], box_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b * do_strides[0] + h0 * do_strides[1], [group, len_q, D],
+                                         [do_strides[1], do_strides[2], 1], [1, BLOCK_M, D], box_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * k_strides[0] + hk * k_strides[1], [len_k, D],
+                                        [k_strides[2], 1], [ROWS, D], tile_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * v_strides[0] + hk * v_strides[1], [len_k, D],
+                                        [v_strides[2], 1], [ROWS, D], tile_layout)
+    lse_desc = tma.make_tensor_descriptor(LSE2, [batch_heads * len_q_pad], [1], [BLOCK_M], stat_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA, [batch_heads * len_q_pad], [1], [BLOCK_M], stat_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], tile_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], tile_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], tile_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    bars = (kv_bar, q_ready, do_ready, empty)
+
+    lo, _, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
+    bh0 = (b * heads_q + h0).to(gl.int32)
+    # Arguments written out in each tuple: a tuple bound to a name would turn the constexprs
+    # into run-time values inside the partitions.
+    gl.warp_specialize([
+        (dkdv_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
+                                  dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
+                                  scale_log2, scale, CAUSAL, ACCUMULATE)),
+        (dkdv_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
+                                  dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
+                                  scale_log2, scale, CAUSAL, ACCUMULATE)),
+        (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+                               v_smem, lse_smem, delta_smem, bars, n0, bh0, len_q, len_q_pad, group, lo, hi)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------- dQ
+
+
+@gluon.jit
+def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k, scale_log2,
+            s_layout: gl.constexpr, op_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tile j (ring slot j % STAGES) into dq; MASK: the causal diagonal or the ragged last tile."""
+    q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    k = k_smem.index(j % STAGES)
+    v = v_smem.index(j % STAGES)
+    wait_ready(k_ready, j, STAGES)
+    s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    wait_ready(v_ready, j, STAGES)
+    dp_tok = warpgroup_mma(do, v.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_tok,))
+    p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
+    if MASK:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if CAUSAL:
+            last_col = gl.minimum(rows + (len_k - len_q), len_k - 1)
+            p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1), p, 0.0)
+        else:
+            p = gl.where(gl.expand_dims(cols < len_k, 0), p, 0.0)
+    dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+    release(v_empty, j, STAGES)
+    ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(q.dtype), op_layout)
+    dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
+    dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+    release(k_empty, j, STAGES)
+    return dq
+
+
+@gluon.jit
+def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2,
+                         DELTA, DQ, dq_strides, heads_q, num_row_tiles, len_q, len_q_pad, len_k, scale_log2,
+                         scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
+    """Consumer warpgroup `half`: rows m0 + 64*half + [0, 64); loads its dO half, writes its dQ rows."""
+    q_bar = bars[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    D: gl.constexpr = q_smem.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    bh, m0 = row_block(num_row_tiles, CAUSAL)
+    first = m0 + half * ROWS
+    mbarrier.expect(do_bar.index(half), do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(do_desc, [first, 0], do_bar.index(half), do_smem.index(half))
+    rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    inside = rows < len_q
+    lse2 = gl.load(LSE2 + (bh.to(gl.int64) * len_q_pad + rows), mask=inside, other=float("inf"))
+    delta = gl.load(DELTA + (bh.to(gl.int64) * len_q_pad + rows), mask=inside, other=0.0)
+    num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
+    dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    q = q_smem.index(half)
+    do = do_smem.index(half)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(do_bar.index(half), 0)
+    for j in range(full_tiles):
+        dq = dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k, scale_log2,
+                     s_layout, op_layout, False, CAUSAL)
+    for j in range(full_tiles, num_tiles):
+        dq = dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k, scale_log2,
+                     s_layout, op_layout, True, CAUSAL)
+    heads = bh % heads_q
+    b = (bh // heads_q).to(gl.int64)
+    store_rows(DQ + b * dq_strides[0] + heads.to(gl.int64) * dq_strides[1], dq_strides[2], dq_strides[3],
+               dq * scale, first, len_q, ACCUMULATE)
+
+
+@gluon.jit
+def row_block(num_row_tiles, CAUSAL: gl.constexpr):
+    """(b * Hq + h, first row) of this program; causal programs start with the longest rows."""
+    pid = gl.program_id(0)
+    tile_m = pid % num_row_tiles
+    if CAUSAL:
+        tile_m = num_row_tiles - 1 - tile_m
+    return pid // num_row_tiles, tile_m * (2 * ROWS)
+
+
+@gluon.jit
+def gluon_dq_kernel(
+    Q, K, V, DO, LSE2, DELTA, DQ, q_strides, k_strides, v_strides, do_strides, dq_strides,
+    heads_q, group, len_q, len_q_pad, len_k, num_row_tiles, scale_log2, scale,
+    D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+):
+    """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype, or float32 with ACCUMULATE.
+
+    LSE2, DELTA as for `gluon_dkdv_kernel`.
+    """
+    bh, m0 = row_block(num_row_tiles, CAUSAL)
+    b = (bh // heads_q).to(gl.int64)
+    h = (bh % heads_q).to(gl.int64)
+    hk = h // group
+    dtype: gl.constexpr = Q.dtype.element_ty
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b * q_strides[0] + h * q_strides[1], [len_q, D],
+                                        [q_strides[2], 1], [ROWS, D], row_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b * do_strides[0] + h * do_strides[1], [len_q, D],
+                                         [do_strides[2], 1], [ROWS, D], row_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * k_strides[0] + hk * k_strides[1], [len_k, D],
+                                        [k_strides[2], 1], [BLOCK_N, D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * v_strides[0] + hk * v_strides[1], [len_k, D],
+                                        [v_strides[2], 1], [BLOCK_N, D], kv_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], row_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], row_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    do_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(do_bar.index(0), count=1)
+    mbarrier.init(do_bar.index(1), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    bars = (q_bar, k_ready, k_empty, v_ready, v_empty, q_bar)  # the forward's tuple; no ping-pong barriers
+
+    num_tiles, _ = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
+    # Arguments written out in each tuple: a tuple bound to a name would turn the constexprs
+    # into run-time values inside the partitions.
+    gl.warp_specialize([
+        (dq_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
+                                dq_strides, heads_q, num_row_tiles, len_q, len_q_pad, len_k, scale_log2, scale,
+                                CAUSAL, ACCUMULATE)),
+        (dq_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
+                                dq_strides, heads_q, num_row_tiles, len_q, len_q_pad, len_k, scale_log2, scale,
+                                CAUSAL, ACCUMULATE)),
+        (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------- host
+
+MAX_STATS = 2**31 - 1
+
+
+def gluon_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, params: AttentionParams,
+                            dout: torch.Tensor | None = None) -> list[str]:
+    """Every reason `gluon_backward` cannot serve these inputs (empty if it can): those of the
+    Gluon forward (`gluon_supports`), dout's strides, and lse rows beyond 32-bit TMA coordinates."""
+    reasons = gluon_supports(q, k, v, mask, params)
+    if dout is not None and (dout.shape != q.shape or not tma_compatible(dout)):
+        reasons.append(f"dout (shape {tuple(dout.shape)}, strides {dout.stride()}) must have q's shape "
+                       "and TMA-compatible strides")
+    rows = q.shape[0] * q.shape[1] * padded_rows(q.shape[2], CONFIGS.get(q.shape[-1], CONFIGS[128]))
+    if rows > MAX_STATS:
+        reasons.append(f"B * Hq * Nq = {rows} (padded) exceeds {MAX_STATS}")
+    return reasons
+
+
+def padded_rows(len_q: int, cfg: GluonBackwardConfig) -> int:
+    return triton.cdiv(len_q, cfg.dkdv_block_m) * cfg.dkdv_block_m
+
+
+def gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into=None):
+    """dq, dk, dv (in q, k, v's dtypes) for attention(q, k, v) with saved out and lse (B, Hq, Nq),
+    natural log; with `accumulate_into` (float32 dq, dk, dv, any strides) added into those and returned."""
+    reasons = gluon_backward_supports(q, k, v, None, params, dout)
+    if reasons:
+        raise ValueError("gluon_backward cannot serve these inputs: " + "; ".join(reasons))
+    accumulate_into = check_accumulators(accumulate_into, q, k, v)
+    with on_device(q):
+        return launch(dout, q, k, v, out, lse, params, accumulate_into)
+
+
+def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pad: int):
+    """(lse2, delta), each (B * Hq, len_q_pad) float32: lse * log2(e) with +inf where lse = -inf
+    (no key) and in the padding; delta = rowsum(out * dout) (`row_deltas`) with 0 in the padding."""
+    batch, heads_q, len_q = lse.shape
+    lse2 = torch.full((batch * heads_q, len_q_pad), float("inf"), dtype=torch.float32, device=lse.device)
+    lse = lse.reshape(batch * heads_q, len_q).to(torch.float32)
+    torch.mul(lse, LOG2E, out=lse2[:, :len_q])
+    lse2[:, :len_q].masked_fill_(lse == float("-inf"), float("inf"))
+    delta = torch.zeros_like(lse2)
+    delta[:, :len_q] = row_deltas(out, dout).view(batch * heads_q, len_q)
+    return lse2, delta
+
+
+def box_strides(x: torch.Tensor) -> tuple[int, ...]:
+    """x's strides, with the head stride made TMA-valid when there is one head (torch may report
+    any stride for a dimension of size 1; the (group, N, D) descriptor of Q and dO uses it)."""
+    strides = list(x.stride())
+    if x.shape[1] == 1:
+        strides[1] = x.stride(2) * x.shape[2]
+    return tuple(strides)
+
+
+def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into):
+    batch, heads_q, len_q, dim = q.shape
+    heads_k, len_k = k.shape[1], k.shape[2]
+    if 0 in (batch, heads_q, len_q, len_k):
+        if accumulate_into is not None:
+            return accumulate_into
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if accumulate_into is not None:
+        dq, dk, dv = accumulate_into
+    else:
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    ensure_allocator()  # device-side TMA descriptors need scratch memory
+    cfg = CONFIGS[dim]
+    len_q_pad = padded_rows(len_q, cfg)
+    lse2, delta = row_stats(lse, out, dout, len_q_pad)
+    scale_log2 = params.scale * LOG2E
+    causal = params.window == (UNBOUNDED, 0)
+    options = dict(CAUSAL=causal, ACCUMULATE=accumulate_into is not None, num_warps=4, maxnreg=MAXNREG)
+    col_tiles = triton.cdiv(len_k, 2 * ROWS.value)
+    gluon_dkdv_kernel[grid_of(col_tiles, batch * heads_k)](
+        q, k, v, dout, lse2, delta, dk, dv, box_strides(q), k.stride(), v.stride(), box_strides(dout), dk.stride(),
+        dv.stride(), batch * heads_q, heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles,
+        scale_log2, params.scale, D=dim, BLOCK_M=cfg.dkdv_block_m, STAGES=cfg.dkdv_stages, **options,
+    )
+    row_tiles = triton.cdiv(len_q, 2 * ROWS.value)
+    gluon_dq_kernel[grid_of(row_tiles, batch * heads_q)](
+        q, k, v, dout, lse2, delta, dq, q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride(),
+        heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, row_tiles, scale_log2, params.scale,
+        D=dim, BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages, **options,
+    )
+    return dq, dk, dv
