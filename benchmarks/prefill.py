@@ -51,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=float, default=100)
     p.add_argument("--workers", type=int, default=12, help="processes that pre-compile in parallel (0: none)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/prefill-h200.json"))
+    p.add_argument("--table", help="print the docs/performance.md table of a results file and exit")
     return p.parse_args(argv)
 
 
@@ -184,32 +185,36 @@ def row_for(impl, cell, args):
     return row
 
 
-def ratio_table(rows) -> str:
-    """Markdown: exattn TFLOP/s and its ratios to cuDNN, Flex and FA2, per cell."""
+def doc_table(rows) -> str:
+    """The docs/performance.md table: one line per cell, forward and backward side by side."""
     index = {(r["impl"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]): r for r in rows}
-    lines = ["| dtype | d | causal | N | pass | exattn | cuDNN | x cuDNN | Flex | x Flex | FA2 | x FA2 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def fmt(x):
-        return "-" if x is None else f"{x:.0f}"
+    lines = ["| dtype | d | causal | N | exattn fwd | cuDNN fwd | × cuDNN | × Flex | × FA2 "
+             "| exattn bwd | cuDNN bwd | × cuDNN | × Flex | × FA2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ratio(a, b):
-        return "-" if a is None or b is None else f"{a / b:.2f}"
+        return "–" if a is None or b is None else f"{a / b:.2f}"
 
     for key, ours in index.items():
         if key[0] != "exattn-triton":
             continue
+        cols = [key[1], str(key[2]), "yes" if key[3] else "no", f"{key[4] // 1024}k"]
         for pass_ in ("fwd", "bwd"):
             col = f"{pass_}_tflops"
-            others = [index.get((impl,) + key[1:], {}).get(col) for impl in ("sdpa-cudnn", "flex", "sdpa-flash")]
+            cudnn, flex, fa2 = (index.get((impl,) + key[1:], {}).get(col)
+                                for impl in ("sdpa-cudnn", "flex", "sdpa-flash"))
             x = ours[col]
-            lines.append(f"| {key[1]} | {key[2]} | {int(key[3])} | {key[4]} | {pass_} | {fmt(x)} | "
-                         + " | ".join(f"{fmt(o)} | {ratio(x, o)}" for o in others) + " |")
+            cols += ["–" if x is None else f"{x:.0f}", "–" if cudnn is None else f"{cudnn:.0f}",
+                     ratio(x, cudnn), ratio(x, flex), ratio(x, fa2)]
+        lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.table:
+        print(doc_table(json.loads(Path(args.table).read_text())["rows"]))
+        return
     impls = args.impls.split(",")
     all_cells = list(cells(args))
     jobs = [(impl, cell) for cell in all_cells for impl in impls
@@ -228,7 +233,7 @@ def main(argv=None):
                   f"N={cell['seqlen']:5d} fwd={row['fwd_tflops'] or 0:6.1f} bwd={row['bwd_tflops'] or 0:6.1f} "
                   f"{row['error'] or ''}", flush=True)
             out_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(ratio_table(rows))
+    print(doc_table(rows))
 
 
 if __name__ == "__main__":
