@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import LOG2E, dropout_keep, load_tile, masked_scores, store_tile, tile_segments
+from .tiles import LOG2E, dropout_keep, load_tile, masked_scores, row_pointers, store_tile, tile_segments
 
 
 @triton.jit
@@ -72,11 +72,8 @@ def dkdv_segment(
 ):
     """Add the query tiles [tile_lo, tile_hi) of one query head into (dk, dv) (dk unscaled)."""
     if not USE_TMA:
-        start = (tile_lo * BLOCK_M + offs_m).to(tl.int64)
-        q_ptrs = q_src + start[:, None] * q_strides[0] + offs_d[None, :] * q_strides[1]
-        do_ptrs = do_src + start[:, None] * do_strides[0] + offs_dv[None, :] * do_strides[1]
-        q_step = tl.full([], BLOCK_M, tl.int64) * q_strides[0]
-        do_step = tl.full([], BLOCK_M, tl.int64) * do_strides[0]
+        q_ptrs, q_step = row_pointers(q_src, q_strides, tile_lo, BLOCK_M, offs_m, offs_d)
+        do_ptrs, do_step = row_pointers(do_src, do_strides, tile_lo, BLOCK_M, offs_m, offs_dv)
     for tile in tl.range(tile_lo, tile_hi):
         m0 = tile * BLOCK_M
         rows = m0 + offs_m
@@ -227,11 +224,8 @@ def dq_segment(
 ):
     """Add the key tiles [tile_lo, tile_hi) into dq (unscaled)."""
     if not USE_TMA:
-        start = (tile_lo * BLOCK_N + offs_n).to(tl.int64)
-        k_ptrs = k_src + start[:, None] * k_strides[0] + offs_d[None, :] * k_strides[1]
-        v_ptrs = v_src + start[:, None] * v_strides[0] + offs_dv[None, :] * v_strides[1]
-        k_step = tl.full([], BLOCK_N, tl.int64) * k_strides[0]
-        v_step = tl.full([], BLOCK_N, tl.int64) * v_strides[0]
+        k_ptrs, k_step = row_pointers(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d)
+        v_ptrs, v_step = row_pointers(v_src, v_strides, tile_lo, BLOCK_N, offs_n, offs_dv)
     for tile in tl.range(tile_lo, tile_hi):
         n0 = tile * BLOCK_N
         cols = n0 + offs_n

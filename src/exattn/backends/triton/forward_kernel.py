@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import LN2, dropout_keep, load_tile, masked_scores, store_tile, tile_segments
+from .tiles import LN2, dropout_keep, load_tile, masked_scores, row_pointers, store_tile, tile_segments
 
 
 @triton.jit
@@ -29,11 +29,8 @@ def forward_segment(
 ):
     """Fold key tiles [tile_lo, tile_hi) into (acc, m_i, l_i); CHECK_BAND masks every element."""
     if not USE_TMA:
-        start = (tile_lo * BLOCK_N + offs_n).to(tl.int64)
-        k_ptrs = k_src + start[:, None] * k_strides[0] + offs_d[None, :] * k_strides[1]
-        v_ptrs = v_src + start[:, None] * v_strides[0] + offs_dv[None, :] * v_strides[1]
-        k_step = tl.full([], BLOCK_N, tl.int64) * k_strides[0]
-        v_step = tl.full([], BLOCK_N, tl.int64) * v_strides[0]
+        k_ptrs, k_step = row_pointers(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d)
+        v_ptrs, v_step = row_pointers(v_src, v_strides, tile_lo, BLOCK_N, offs_n, offs_dv)
     for tile in tl.range(tile_lo, tile_hi, warp_specialize=WARP_SPECIALIZE):
         n0 = tile * BLOCK_N
         cols = n0 + offs_n

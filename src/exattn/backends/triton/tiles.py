@@ -103,6 +103,15 @@ def dropout_keep(seed, dropout_p, row_base, rows, cols, len_k):
 
 
 @triton.jit
+def row_pointers(src, strides, tile_lo, BLOCK: tl.constexpr, offs, offs_col):
+    """Pointers to rows `tile_lo * BLOCK + offs`, columns `offs_col`, of a (rows, cols) slice
+    with (row, col) `strides`, and the 64-bit step to the same rows of the next tile."""
+    start = (tile_lo * BLOCK + offs).to(tl.int64)
+    ptrs = src + start[:, None] * strides[0] + offs_col[None, :] * strides[1]
+    return ptrs, tl.full([], BLOCK, tl.int64) * strides[0]
+
+
+@triton.jit
 def load_tile(
     ptrs, rows, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr,
 ):
