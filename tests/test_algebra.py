@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exattn import BlockSummary, finalize, merge, merge_states, summarize
-from exattn.algebra import empty_summary
+from exattn.algebra import absorb_, empty_summary
 
 F64 = torch.float64
 
@@ -145,3 +145,33 @@ def test_summarize_accepts_per_row_values():
     out, _ = finalize(summarize(scores, values))
     expected = (torch.softmax(scores, -1)[..., None] * values).sum(-2)
     torch.testing.assert_close(out, expected)
+
+
+def clone_state(s: BlockSummary) -> BlockSummary:
+    return BlockSummary(*(t.clone() for t in s))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31), st.booleans())
+def test_absorb_equals_merge_of_summary(seed, with_weights):
+    g = torch.Generator().manual_seed(seed)
+    state = random_summary(seed)
+    state = BlockSummary(state.m[None], state.l[None], state.u[None])  # (1, rows), (1, rows, dv)
+    scores = torch.randn(1, 5, 4, generator=g, dtype=F64) * 30
+    scores[torch.rand(1, 5, 4, generator=g) < 0.4] = float("-inf")
+    scores[0, 1] = float("-inf")  # a row that is empty in the block (and row 0 in the state)
+    values = torch.randn(1, 4, 3, generator=g, dtype=F64)
+    weights = torch.rand(1, 5, 4, generator=g, dtype=F64) if with_weights else None
+    expected = merge(state, summarize(scores, values, weights))
+    absorbed = absorb_(clone_state(state), scores.clone(), values, weights)
+    assert_same_state(absorbed, expected)
+    assert not any(t.isnan().any() for t in absorbed)
+
+
+def test_absorb_of_an_empty_row_keeps_it_empty():
+    state = empty_summary((1, 2), 3, F64, "cpu")
+    scores = torch.tensor([[[float("-inf")] * 4, [0.5, float("-inf"), 1.0, 2.0]]], dtype=F64)
+    absorbed = absorb_(state, scores, torch.randn(1, 4, 3, dtype=F64))
+    out, lse = finalize(absorbed)
+    assert lse[0, 0] == float("-inf") and (out[0, 0] == 0).all()
+    assert torch.isfinite(lse[0, 1]) and not out.isnan().any()

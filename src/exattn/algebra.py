@@ -36,7 +36,7 @@ class BlockSummary(NamedTuple):
 
 def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
     """The shared maximum used for rescaling: -inf (an empty block) becomes 0."""
-    return torch.where(torch.isneginf(m), 0.0, m)
+    return m.masked_fill(m == NEG_INF, 0.0)
 
 
 def exp_(x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +77,7 @@ def summarize_(
         m = scores.amax(dim=-1)
     else:
         m = scores.new_full(scores.shape[:-1], NEG_INF)
-    weights = exp_(scores.sub_(finite_or_zero(m).unsqueeze(-1)))
+    weights = exp_(scores.sub_(finite_or_zero(m)[..., None]))
     l = weights.sum(dim=-1)  # noqa: E741
     if numerator_weights is not None:
         weights.mul_(numerator_weights)
@@ -111,9 +111,36 @@ def merge_(a: BlockSummary, b: BlockSummary) -> BlockSummary:
     shared = finite_or_zero(m)
     alpha, beta = torch.exp(a.m - shared), torch.exp(b.m - shared)
     a.l.mul_(alpha).addcmul_(b.l, beta)
-    a.u.mul_(alpha.unsqueeze(-1)).addcmul_(b.u, beta.unsqueeze(-1))
+    a.u.mul_(alpha[..., None]).addcmul_(b.u, beta[..., None])
     a.m.copy_(m)
     return a
+
+
+def absorb_(
+    state: BlockSummary, scores: torch.Tensor, values: torch.Tensor,
+    numerator_weights: torch.Tensor | None = None,
+) -> BlockSummary:
+    """`merge_(state, summarize_(scores, values, numerator_weights))` in one pass (the hot path).
+
+    The block's weights are taken against the new shared maximum directly, so
+    its own summary is never formed. scores: (..., r, n), overwritten with the
+    weights; values: (..., n, Dv), shared by the r rows; `state` holds (..., r)
+    and (..., r, Dv) contiguous tensors and is updated in place and returned.
+    """
+    if not scores.shape[-1]:
+        return state
+    m = torch.maximum(state.m, scores.amax(dim=-1))
+    shared = finite_or_zero(m)
+    alpha = exp_(state.m.sub_(shared))
+    weights = exp_(scores.sub_(shared[..., None]))
+    state.l.mul_(alpha).add_(weights.sum(dim=-1))
+    if numerator_weights is not None:
+        weights.mul_(numerator_weights)
+    numerator = state.u.mul_(alpha[..., None]).view(-1, *state.u.shape[-2:])
+    numerator.baddbmm_(weights.reshape(-1, *weights.shape[-2:]),
+                       values.to(weights.dtype).reshape(-1, *values.shape[-2:]))
+    state.m.copy_(m)
+    return state
 
 
 def finalize(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +154,7 @@ def finalize_(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
     """`finalize` that overwrites `s.u` with out and `s.m` with lse and returns them (the hot path)."""
     empty = s.l == 0  # NaN counts as mass, so NaN propagates
     safe_l = s.l.masked_fill(empty, 1.0)
-    out = s.u.div_(safe_l.unsqueeze(-1)).masked_fill_(empty.unsqueeze(-1), 0.0)
+    out = s.u.div_(safe_l[..., None]).masked_fill_(empty[..., None], 0.0)
     lse = s.m.add_(torch.log(safe_l)).masked_fill_(empty, NEG_INF)
     return out, lse
 

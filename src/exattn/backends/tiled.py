@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..algebra import empty_summary, exp_, finalize_, merge_, summarize_
+from ..algebra import NEG_INF, BlockSummary, absorb_, exp_, finalize_
 from ..dropout import keep_tile
 from ..masks import apply_masks, band_bounds, band_rows
 from ..problem import AttentionParams, AttentionProblem, check_accumulators, compute_dtype
@@ -73,6 +73,18 @@ class TileContext:
         # One score buffer reused by every tile: fresh large allocations are slow on the CPU.
         tile_elements = self.batch * self.heads_q * self.block_m * self.block_n
         self.buffer = torch.empty(tile_elements, dtype=self.dtype, device=self.device)
+        self.summary: BlockSummary | None = None
+
+    def identity_summary(self, shape: tuple[int, ...], value_dim: int) -> BlockSummary:
+        """The empty summary for stacked rows of `shape`, in buffers reused by every query tile."""
+        if self.summary is None:
+            most = self.batch * self.heads_q * self.block_m
+            self.summary = BlockSummary(*(torch.empty(size, dtype=self.dtype, device=self.device)
+                                          for size in (most, most, most * value_dim)))
+        rows = math.prod(shape)
+        m, l, u = self.summary  # noqa: E741
+        return BlockSummary(m[:rows].view(shape).fill_(NEG_INF), l[:rows].view(shape).zero_(),
+                            u[: rows * value_dim].view(*shape, value_dim).zero_())
 
     def stack(self, x5: torch.Tensor, rows: range) -> torch.Tensor:
         """Rows of a (B, Hk, G, N, d) tensor as a stacked (B, Hk, G * rows, d) compute tile."""
@@ -84,10 +96,16 @@ class TileContext:
         return x.unflatten(2, (self.group, len(rows)))
 
     def scores(self, q_tile: torch.Tensor, k_tile: torch.Tensor, rows: range, cols: range):
-        """Masked scores (B, Hk, G * rows, cols) in the shared buffer; q_tile is pre-scaled."""
+        """Masked scores scale * q k^T, (B, Hk, G * rows, cols), in the shared buffer.
+
+        The scale is the GEMM's alpha, so forward and backward round scores alike.
+        """
         shape = (self.batch, self.heads_k, q_tile.shape[2], len(cols))
         scores = self.buffer[: math.prod(shape)].view(shape)
-        torch.matmul(q_tile, k_tile.transpose(-1, -2), out=scores)
+        scores.view(-1, *shape[2:]).baddbmm_(
+            q_tile.reshape(-1, *q_tile.shape[2:]), k_tile.reshape(-1, *k_tile.shape[2:]).transpose(-1, -2),
+            beta=0.0, alpha=self.params.scale,
+        )
         mask_tile = None
         if self.mask is not None:
             mask_tile = self.mask[..., rows.start:rows.stop, cols.start:cols.stop]
@@ -116,13 +134,13 @@ def tiled_forward(q, k, v, mask, params: AttentionParams):
     lse = torch.empty(q.shape[:3], dtype=ctx.dtype, device=q.device)
     out5, lse5 = grouped(out, ctx.heads_k), grouped(lse, ctx.heads_k)
     for rows in spans(0, ctx.len_q, ctx.block_m):
-        q_tile = ctx.stack(q5, rows) * params.scale
-        state = empty_summary(q_tile.shape[:-1], v.shape[3], ctx.dtype, q.device)
+        q_tile = ctx.stack(q5, rows)
+        state = ctx.identity_summary(q_tile.shape[:-1], v.shape[3])
         for cols in spans(*band_bounds(rows, ctx.len_q, ctx.len_k, params.window), ctx.block_n):
             k_tile = k[:, :, cols.start:cols.stop].to(ctx.dtype)
             v_tile = v[:, :, cols.start:cols.stop].to(ctx.dtype)
             scores = ctx.scores(q_tile, k_tile, rows, cols)
-            merge_(state, summarize_(scores, v_tile, ctx.dropout_weights(rows, cols)))
+            absorb_(state, scores, v_tile, ctx.dropout_weights(rows, cols))
         out_tile, lse_tile = finalize_(state)
         out5[..., rows.start:rows.stop, :] = ctx.unstack(out_tile, rows)
         lse5[..., rows.start:rows.stop] = ctx.unstack(lse_tile, rows)
@@ -152,7 +170,7 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accum
         k_tile, v_tile = k[:, :, c].to(ctx.dtype), v[:, :, c].to(ctx.dtype)
         for rows in spans(*band_rows(cols, ctx.len_q, ctx.len_k, params.window), ctx.block_m):
             q_tile, do_tile = ctx.stack(q5, rows), ctx.stack(do5, rows)
-            probs = ctx.scores(q_tile * params.scale, k_tile, rows, cols)
+            probs = ctx.scores(q_tile, k_tile, rows, cols)
             exp_(probs.sub_(ctx.stack(lse5, rows)))
             weights = ctx.dropout_weights(rows, cols)
             dropped = probs if weights is None else probs * weights
