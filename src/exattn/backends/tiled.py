@@ -1,8 +1,8 @@
 """The tiled backend: pure PyTorch, any device, O(N) memory.
 
 Forward: for each query tile, carry a running `BlockSummary` over the key
-tiles the band allows, merging each tile's summary (algebra.merge), then
-finalize. Backward: recompute each score tile from the saved lse,
+tiles the band allows, folding each tile into it (algebra.absorb_, the
+merge of the tile's summary in one pass), then finalize. Backward: recompute each score tile from the saved lse,
 `P = exp(S - lse)`, with `delta = rowsum(dO * O)`:
 
     dV += P_drop^T dO,   dS = P * (dO V^T * keep/(1-p) - delta),
