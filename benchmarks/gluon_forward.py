@@ -1,14 +1,15 @@
 """Forward TFLOP/s of the Gluon (sm_90) kernel against exattn's Triton forward, SDPA and FlexAttention.
 
 FlashAttention's convention, as benchmarks/prefill.py: batch * seqlen = 16k
-tokens, hidden 2048 (heads = 2048 / head_dim), bf16; seqlen 4k, 8k, 16k;
+tokens, hidden 2048 (heads = 2048 / head_dim), bf16 (`--dtypes`); seqlen 4k, 8k, 16k;
 head dim 64 and 128; causal off/on. FLOPs = 4*B*H*N^2*D, halved for causal,
 `triton.testing.do_bench` median. In the same run: "gluon"
 (`gluon_forward.gluon_forward`), "exattn-triton" (the raw pass
 `passes.triton_forward`), SDPA's cuDNN and flash backends, and compiled
 FlexAttention (inputs with requires_grad, as in prefill.py). `--variants`
-adds Gluon rows with other tiles for one head dim: "dim:BLOCK_NxSTAGES", with
-"pp" appended for the ping-pong schedule, e.g. "128:128x3,128:128x2pp".
+adds Gluon rows with other tiles for one head dim: "dim:BLOCK_NxSTAGES", then
+"w3" for three consumer warpgroups (192 query rows per program) and "pp" for the
+ping-pong schedule, e.g. "128:128x3,128:128x2pp,64:128x2w3pp".
 
     PYTHONPATH=src python3 benchmarks/gluon_forward.py --out $OUT/gluon-forward-h200.json
 """
@@ -41,6 +42,7 @@ def parse_benchmark_args(argv, description: str, variants_help: str, out_name: s
     p.add_argument("--seqlens", default="4096,8192,16384")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--causal", default="0,1")
+    p.add_argument("--dtypes", default="bf16")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--variants", default="", help=f"extra Gluon configs: {variants_help}")
     p.add_argument("--warmup-ms", type=float, default=25)
@@ -51,24 +53,29 @@ def parse_benchmark_args(argv, description: str, variants_help: str, out_name: s
 
 
 def parse_args(argv=None):
-    return parse_benchmark_args(argv, __doc__, "'dim:BLOCK_NxSTAGES[pp],...'", "gluon-forward-h200.json")
+    return parse_benchmark_args(argv, __doc__, "'dim:BLOCK_NxSTAGES[w3][pp],...'", "gluon-forward-h200.json")
 
 
 def cells(args):
-    for d in (int(x) for x in args.head_dims.split(",")):
-        for causal in (bool(int(x)) for x in args.causal.split(",")):
-            for n in (int(x) for x in args.seqlens.split(",")):
-                yield dict(dtype="bf16", head_dim=d, causal=causal, seqlen=n,
-                           batch=max(1, TOKENS // n), heads=HIDDEN // d)
+    for dtype in args.dtypes.split(","):
+        for d in (int(x) for x in args.head_dims.split(",")):
+            for causal in (bool(int(x)) for x in args.causal.split(",")):
+                for n in (int(x) for x in args.seqlens.split(",")):
+                    yield dict(dtype=dtype, head_dim=d, causal=causal, seqlen=n,
+                               batch=max(1, TOKENS // n), heads=HIDDEN // d)
 
 
 def variant(spec: str):
-    """'128:128x2pp' -> (128, GluonConfig(block_n=128, stages=2, pingpong=True))."""
+    """'64:128x2w3pp' -> (64, GluonConfig(block_n=128, stages=2, pingpong=True, consumers=3))."""
+    import re
+
     from exattn.backends.triton.gluon_forward import GluonConfig
 
-    dim, tiles = spec.split(":")
-    block_n, stages = tiles.removesuffix("pp").split("x")
-    return int(dim), GluonConfig(int(block_n), int(stages), tiles.endswith("pp"))
+    found = re.fullmatch(r"(\d+):(\d+)x(\d+)(?:w(\d+))?(pp)?", spec)
+    if found is None:
+        raise ValueError(f"--variants: {spec!r} is not 'dim:BLOCK_NxSTAGES[wN][pp]'")
+    dim, block_n, stages, consumers, pingpong = found.groups()
+    return int(dim), GluonConfig(int(block_n), int(stages), bool(pingpong), int(consumers or 2))
 
 
 def impl_names(args) -> list[str]:
@@ -153,21 +160,22 @@ def row_for(impl, cell, args, measure, pass_name: str):
 
 def ratio_table(rows, pass_name: str) -> str:
     """Markdown: each Gluon row's TFLOP/s and its ratios to cuDNN, Flex and exattn's Triton pass."""
-    index = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r[f"{pass_name}_tflops"] for r in rows}
-    lines = ["| impl | d | causal | N | TFLOP/s | cuDNN | x cuDNN | Flex | x Flex | exattn-triton | x triton |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    index = {(r["impl"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]): r[f"{pass_name}_tflops"]
+             for r in rows}
+    lines = ["| impl | dtype | d | causal | N | TFLOP/s | cuDNN | x cuDNN | Flex | x Flex | exattn-triton | x triton |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(x, ratio=False):
         return "-" if x is None else (f"{x:.2f}" if ratio else f"{x:.0f}")
 
-    for (impl, d, causal, n), x in index.items():
+    for (impl, dtype, d, causal, n), x in index.items():
         if not impl.startswith("gluon"):
             continue
         cols = []
         for anchor in ANCHORS:
-            a = index.get((anchor, d, causal, n))
+            a = index.get((anchor, dtype, d, causal, n))
             cols += [fmt(a), fmt(x / a if x and a else None, ratio=True)]
-        lines.append(f"| {impl} | {d} | {int(causal)} | {n} | {fmt(x)} | " + " | ".join(cols) + " |")
+        lines.append(f"| {impl} | {dtype} | {d} | {int(causal)} | {n} | {fmt(x)} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
 
@@ -189,7 +197,7 @@ def run_benchmark(args, measure, pass_name: str) -> None:
             if row is None:
                 continue
             rows.append(row)
-            print(f"{impl:22s} d={cell['head_dim']} causal={int(cell['causal'])} N={cell['seqlen']:5d} "
+            print(f"{impl:22s} {cell['dtype']} d={cell['head_dim']} causal={int(cell['causal'])} N={cell['seqlen']:5d} "
                   f"{pass_name}={row[f'{pass_name}_tflops'] or 0:6.1f} {row['error'] or ''}", flush=True)
             out_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(ratio_table(rows, pass_name))

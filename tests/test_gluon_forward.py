@@ -2,7 +2,8 @@
 
 CPU (CI): every shipped configuration compiles for sm_90a with the wheel's
 ptxas, without spills, inside Hopper's shared memory, and keeps its design
-(warp specialization, the wgmma that stays in flight under the softmax);
+(warp specialization, the wgmma that stays in flight under the softmax,
+CAUSAL / PINGPONG folded into the partitions at compile time);
 `gluon_supports` names every reason it refuses. GPU (`-m gpu`): awkward shapes
 against the float64 oracle with the shared error rule.
 """
@@ -19,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 import exattn
+from exattn.backends.triton import GLUON_HEAD_DIMS
 from exattn.backends.triton import gluon_forward as gf
 from exattn.problem import AttentionParams
 from exattn.reference import attention_ref
@@ -62,13 +64,16 @@ def resource_usage(kernel, tmp_path) -> dict[str, int]:
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", report)}
 
 
-@pytest.mark.parametrize("dim,causal,dtype,pingpong", [
-    (64, False, torch.bfloat16, False), (64, True, torch.bfloat16, False),
-    (128, False, torch.bfloat16, False), (128, True, torch.bfloat16, False),
-    (128, True, torch.float16, False), (128, True, torch.bfloat16, True),
-])
-def test_compiles_for_sm90_without_spills(dim, causal, dtype, pingpong, tmp_path, monkeypatch):
-    monkeypatch.setitem(gf.CONFIGS, dim, gf.CONFIGS[dim]._replace(pingpong=pingpong))
+# Other schedules than the shipped ones: (head dim, GluonConfig fields to replace).
+SCHEDULES = [(64, {"consumers": 2, "stages": 4}), (64, {"pingpong": True}), (128, {"pingpong": True})]
+
+
+@pytest.mark.parametrize("dim,causal,dtype,changes", [
+    (64, False, torch.bfloat16, {}), (64, True, torch.bfloat16, {}), (64, True, torch.float16, {}),
+    (128, False, torch.bfloat16, {}), (128, True, torch.bfloat16, {}), (128, True, torch.float16, {}),
+] + [(dim, True, torch.bfloat16, changes) for dim, changes in SCHEDULES])
+def test_compiles_for_sm90_without_spills(dim, causal, dtype, changes, tmp_path, monkeypatch):
+    monkeypatch.setitem(gf.CONFIGS, dim, gf.CONFIGS[dim]._replace(**changes))
     kernel = compile_for_sm90(dim, causal, dtype)
     usage = resource_usage(kernel, tmp_path)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
@@ -77,6 +82,9 @@ def test_compiles_for_sm90_without_spills(dim, causal, dtype, pingpong, tmp_path
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no warp specialization"
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, "P V no longer overlaps the softmax"
     assert "cp.async.bulk.tensor.2d" in ptx, "no TMA loads"
+    ttgir = kernel.asm["ttgir"]
+    assert ttgir.count("ttg.warp_specialize(") == 1
+    assert not re.search(r"%arg\d+: i1 ", ttgir), "a constexpr reached the partitions as a run-time flag"
 
 
 def cpu_inputs(dtype=torch.bfloat16, dim=64, heads=(2, 2)):
@@ -104,7 +112,6 @@ def test_supports_only_names_the_device_for_good_cpu_inputs(interpret, words, mo
     assert len(reasons) == 1 and words in reasons[0], reasons
     with pytest.raises(ValueError, match=words):
         gf.gluon_forward(q, k, v, AttentionParams(scale=0.125))
-
 
 
 @pytest.mark.parametrize("version,expected", [("3.6.0", True), ("3.6.1+git1234", True), ("3.5.1", False), ("3.7.0", False)])
@@ -184,43 +191,46 @@ def test_fully_masked_rows_give_zero_and_minus_inf(dtype, d):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_huge_logits_and_strided_inputs(dtype, causal):
+def test_huge_logits_and_strided_inputs(dtype, d, causal):
     torch.manual_seed(4)
-    check(*gpu_inputs(2, 4, 2, 333, 515, 128, dtype, layout="bnhd", logit_scale=60.0), causal)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("causal", [False, True])
-def test_long_sequence_many_pipeline_rounds(causal):
-    torch.manual_seed(5)
-    check(*gpu_inputs(1, 2, 1, 2048, 4100, 128, torch.bfloat16), causal)
+    check(*gpu_inputs(2, 4, 2, 333, 515, d, dtype, layout="bnhd", logit_scale=60.0), causal)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_pingpong_schedule_matches_oracle(d, causal, monkeypatch):
-    monkeypatch.setitem(gf.CONFIGS, d, gf.CONFIGS[d]._replace(pingpong=True))
+def test_long_sequence_many_pipeline_rounds(d, causal):
+    torch.manual_seed(5)
+    check(*gpu_inputs(1, 2, 1, 2048, 4100, d, torch.bfloat16), causal)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("d,changes", SCHEDULES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_other_schedules_match_oracle(d, changes, causal, monkeypatch):
+    monkeypatch.setitem(gf.CONFIGS, d, gf.CONFIGS[d]._replace(**changes))
     torch.manual_seed(6)
-    for shape in [(1, 4, 2, 1000, 1000), (2, 2, 1, 257, 129)]:
+    for shape in [(1, 4, 2, 1000, 1000), (2, 2, 1, 257, 129), (1, 2, 2, 1, 300)]:
         check(*gpu_inputs(*shape, d, torch.bfloat16), causal)
 
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("d", GLUON_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_triton_backend_uses_gluon_at_d128_with_correct_gradients(causal, monkeypatch):
+def test_triton_backend_uses_gluon_with_correct_gradients(d, causal, monkeypatch):
     from exattn.backends.triton import settings
 
     calls = []
     real = gf.gluon_forward
     monkeypatch.setattr(gf, "gluon_forward", lambda *args: calls.append(1) or real(*args))
     torch.manual_seed(7)
-    q, k, v = (x.requires_grad_() for x in gpu_inputs(2, 4, 2, 333, 515, 128, torch.bfloat16))
-    dout = torch.randn(2, 4, 333, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in gpu_inputs(2, 4, 2, 333, 515, d, torch.bfloat16))
+    dout = torch.randn(2, 4, 333, d, device="cuda", dtype=torch.bfloat16)
     grads = {}
     for backend in ("triton", "naive"):
         out = exattn.attention(q, k, v, causal=causal, backend=backend)

@@ -21,9 +21,9 @@ from ..autograd import RecomputingAttention
 from .configs import MAX_HEAD_DIM, interpreting, tile_problems
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Where the Gluon forward beat the Triton one on the H200 (benchmarks/results/gluon-forward-h200.json);
-# at d = 64 it measured 0.93-1.04x, so Triton keeps it.
-GLUON_HEAD_DIM = 128
+# Where the Gluon forward beat the Triton one on the H200 (benchmarks/results/gluon-forward-h200*.json):
+# 1.29-1.37x at d = 128; 1.01-1.23x at d = 64 except bf16 causal N = 4k (0.99x).
+GLUON_HEAD_DIMS = (64, 128)
 # Where the Gluon backward beat the Triton one on the H200 (benchmarks/results/gluon-backward-h200.json):
 # 1.06-1.10x at d = 128; at d = 64 0.88-1.04x, so Triton keeps it.
 GLUON_BACKWARD_HEAD_DIMS = (128,)
@@ -82,14 +82,15 @@ def gluon_written_for_this_triton() -> bool:
 def triton_forward(q, k, v, mask, params: AttentionParams):
     """Raw forward pass: out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32 natural log.
 
-    On Hopper at head dim 128 the Gluon kernel (`gluon_forward.py`) serves what it
-    can (measured 1.3-1.4x the Triton kernel there); everything else runs the
-    Triton forward kernel.
+    On Hopper at the head dims of GLUON_HEAD_DIMS the Gluon kernel (`gluon_forward.py`)
+    serves what it can (measured 1.3-1.4x the Triton kernel at d = 128, 0.99-1.23x at
+    d = 64); everything else runs the Triton forward kernel.
     """
     from .passes import settings
     from .passes import triton_forward as run
 
-    if settings.use_gluon and q.is_cuda and q.shape[-1] == GLUON_HEAD_DIM and gluon_written_for_this_triton():
+    if (settings.use_gluon and q.is_cuda and q.shape[-1] in GLUON_HEAD_DIMS
+            and gluon_written_for_this_triton()):
         from .gluon_forward import gluon_forward, gluon_supports
 
         if not gluon_supports(q, k, v, mask, params):

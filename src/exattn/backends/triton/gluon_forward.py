@@ -8,13 +8,13 @@ fp16/bf16, D = Dv in {64, 128}, no mask, no dropout, full attention or
 bottom-right causal, GQA, any lengths; out in q's dtype, lse (B, Hq, Nq) float32
 natural log; a row that sees no key gives 0 and lse = -inf.
 
-One program owns 128 query rows of one (batch, query head), split between
-three warp roles (`gl.warp_specialize`):
+One program owns 64 * CONSUMERS query rows of one (batch, query head), split
+between warp roles (`gl.warp_specialize`):
 
 - a producer warp issues TMA loads: the Q tile once, then K and V tiles into a
   ring of `STAGES` shared-memory slots, each slot guarded by a "ready"
-  mbarrier (TMA bytes landed) and an "empty" one (both consumers done);
-- two consumer warpgroups, 64 rows each, run the online softmax of
+  mbarrier (TMA bytes landed) and an "empty" one (all consumers done);
+- CONSUMERS (2 or 3) consumer warpgroups, 64 rows each, run the online softmax of
   `exattn.algebra` in base 2 with intra-warpgroup overlap: the async wgmma
   S = Q K_j+1^T and the async wgmma O += P_j V_j are issued together, the
   softmax of tile j+1 runs while P_j V_j is on the tensor cores, and P is fed
@@ -51,30 +51,41 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 WINDOWS = ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0))
-# Registers per thread of the consumer and producer partitions, and the cap at launch
-# (12 warps * 168 fit the 64K registers of an SM).
-CONSUMER_REGS: gl.constexpr = gl.constexpr(240)
+REGISTER_FILE = 65536  # 32-bit registers of one SM
 PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
-MAXNREG = 168
+
+
+def register_split(consumers: int) -> tuple[int, int]:
+    """(cap at launch, consumer registers per thread) for `consumers` warpgroups and the producer's
+    (padded to a warpgroup): the producer's `setmaxnreg.dec` frees what the consumers' `.inc` take."""
+    maxnreg = REGISTER_FILE // (128 * (consumers + 1)) // 8 * 8
+    return maxnreg, (maxnreg + (maxnreg - PRODUCER_REGS.value) // consumers) // 8 * 8
+
+
+# Registers per thread of the two consumer warpgroups, and the cap at launch (12 warps * 168).
+MAXNREG, _CONSUMER_REGS = register_split(2)
+CONSUMER_REGS: gl.constexpr = gl.constexpr(_CONSUMER_REGS)
 
 
 class GluonConfig(NamedTuple):
-    """block_n keys per tile; `stages` K/V slots in the ring; pingpong: the two consumer
+    """block_n keys per tile; `stages` K/V slots in the ring; pingpong: the consumer
     warpgroups take turns issuing their wgmmas (FA3's scheduler barrier), so one's softmax
-    runs under the other's matmuls."""
+    runs under the others' matmuls; consumers: warpgroups of 64 query rows per program
+    (3 leave 160 registers each: enough at d = 64, spills at d = 128)."""
 
     block_n: int
     stages: int
     pingpong: bool = False
+    consumers: int = 2
 
 
-CONFIGS = {64: GluonConfig(128, 4), 128: GluonConfig(128, 2)}
+CONFIGS = {64: GluonConfig(128, 2, consumers=3), 128: GluonConfig(128, 2)}
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def key_tiles(m0, len_q, len_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(hi, full): rows [m0, m0 + 128) see key tiles [0, hi); tiles [0, full) need no mask.
+def key_tiles(m0, len_q, len_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr = 128):
+    """(hi, full): rows [m0, m0 + BLOCK_M) see key tiles [0, hi); tiles [0, full) need no mask.
 
     The kernel form of `masks.band_bounds` for window (-1, -1) and (-1, 0).
     """
@@ -82,7 +93,7 @@ def key_tiles(m0, len_q, len_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     full = len_k // BLOCK_N
     if CAUSAL:
         offset = len_k - len_q
-        last = gl.minimum(m0 + 2 * ROWS, len_q) - 1
+        last = gl.minimum(m0 + BLOCK_M, len_q) - 1
         hi = gl.cdiv(gl.maximum(gl.minimum(last + offset + 1, len_k), 0), BLOCK_N)
         full = gl.minimum(full, gl.maximum(m0 + offset + 1, 0) // BLOCK_N)
     return hi, full
@@ -90,13 +101,14 @@ def key_tiles(m0, len_q, len_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles):
-    """Producer warp: Q once, then K_j and V_j into slot j % STAGES once both consumers freed it."""
+    """Producer warp: Q once, then K_j and V_j into slot j % STAGES once all consumers freed it."""
     q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [m0 + ROWS, 0], q_bar, q_smem.index(1))
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    for half in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [m0 + half * ROWS, 0], q_bar, q_smem.index(half))
     for j in range(num_tiles):
         slot = j % STAGES
         phase = (j // STAGES) & 1
@@ -116,21 +128,22 @@ def wait_ready(ready, j, STAGES: gl.constexpr):
 
 @gluon.jit
 def release(empty, j, STAGES: gl.constexpr):
-    """This warpgroup is done with tile j's slot (the producer waits for both warpgroups)."""
+    """This warpgroup is done with tile j's slot (the producer waits for every warpgroup)."""
     mbarrier.arrive(empty.index(j % STAGES), count=1)
 
 
 @gluon.jit
 def take_turn(sched, half: gl.constexpr, turn, PINGPONG: gl.constexpr):
-    """Ping-pong: wait until the other warpgroup has issued its wgmmas of this turn (warpgroup 0 leads)."""
+    """Ping-pong: wait until the previous warpgroup has issued its wgmmas of this turn (round robin,
+    warpgroup 0 leads; its first wait passes on the fresh barrier)."""
     if PINGPONG:
-        mbarrier.wait(sched.index(half), (turn + 1 - half) & 1)
+        mbarrier.wait(sched.index(half), (turn + (half == 0)) & 1)
 
 
 @gluon.jit
 def pass_turn(sched, half: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
-        mbarrier.arrive(sched.index(1 - half), count=1)
+        mbarrier.arrive(sched.index((half + 1) % sched.shape[0]), count=1)
 
 
 # Own combine functions: gl.max / gl.sum wrap triton.language's, which break
@@ -257,7 +270,7 @@ def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, 
 def gluon_forward_kernel(
     Q, K, V, O, LSE, q_strides, k_strides, v_strides, o_strides, heads_q, group, len_q, len_k,
     num_row_tiles, scale_log2, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+    CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). Strides are (batch, head, row, col); every last stride is 1.
 
@@ -271,7 +284,7 @@ def gluon_forward_kernel(
     b = (bh // heads_q).to(gl.int64)
     h = (bh % heads_q).to(gl.int64)
     hk = h // group
-    m0 = tile_m * (2 * ROWS)
+    m0 = tile_m * (CONSUMERS * ROWS)
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
@@ -284,7 +297,7 @@ def gluon_forward_kernel(
     o_desc = tma.make_tensor_descriptor(O + b * o_strides[0] + h * o_strides[1], [len_q, D],
                                         [o_strides[2], 1], [ROWS, D], q_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -292,26 +305,39 @@ def gluon_forward_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(sched.index(0), count=1)
-    mbarrier.init(sched.index(1), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(sched.index(i), count=1)
     bars = (q_bar, k_ready, k_empty, v_ready, v_empty, sched)
 
-    num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
+    num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, CONSUMERS * ROWS)
     lse_row = LSE + bh.to(gl.int64) * len_q
-    consumer_args = (q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
-                     full_tiles, scale_log2, CAUSAL, PINGPONG)
-    gl.warp_specialize([
-        (compute_partition, (0,) + consumer_args),
-        (compute_partition, (1,) + consumer_args),
-        (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # Arguments written out in each tuple (so one list per consumer count): a tuple bound to a
+    # name would turn the constexprs into run-time values inside the partitions.
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
+                                 full_tiles, scale_log2, CAUSAL, PINGPONG)),
+            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
+                                 full_tiles, scale_log2, CAUSAL, PINGPONG)),
+            (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
+                                 full_tiles, scale_log2, CAUSAL, PINGPONG)),
+            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
+                                 full_tiles, scale_log2, CAUSAL, PINGPONG)),
+            (compute_partition, (2, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
+                                 full_tiles, scale_log2, CAUSAL, PINGPONG)),
+            (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
@@ -363,7 +389,7 @@ def launch(q, k, v, params: AttentionParams):
     if out.numel() == 0 or len_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     ensure_allocator()  # device-side TMA descriptors need scratch memory
-    num_tiles = triton.cdiv(len_q, 2 * ROWS.value)
+    num_tiles = triton.cdiv(len_q, CONFIGS[dim].consumers * ROWS.value)
     gluon_forward_kernel[grid_of(num_tiles, batch * heads_q)](
         q, k, v, out, lse, q.stride(), k.stride(), v.stride(), out.stride(), heads_q,
         heads_q // heads_k, len_q, len_k, num_tiles, scalar_args(params)["scale_log2"],
@@ -375,5 +401,8 @@ def launch(q, k, v, params: AttentionParams):
 def kernel_constants(dim: int, causal: bool) -> dict:
     """Constexpr arguments and launch options of the kernel for head dim `dim`."""
     cfg = CONFIGS[dim]
+    if cfg.consumers not in (2, 3):
+        raise ValueError(f"GluonConfig.consumers must be 2 or 3, got {cfg.consumers}")
+    maxnreg, consumer_regs = register_split(cfg.consumers)
     return dict(D=dim, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
-                num_warps=4, maxnreg=MAXNREG)
+                CONSUMERS=cfg.consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
