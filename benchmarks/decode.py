@@ -2,7 +2,9 @@
 
     python benchmarks/decode.py [--batches 1,8,64] [--contexts 1024,8192,32768,131072]
                                 [--page-sizes 16,256] [--impls exattn,sdpa_cudnn,sdpa_flash,flex]
-                                [--sweep] [--deadline-s 240] [--out benchmarks/results/decode-h200.json]
+                                [--table-mode rotated|shared|identity] [--deadline-s 240]
+                                [--sweep [--sweep-shapes 8x131072,1x8192x16] [--sweep-configs 64:4:2,...]
+                                         [--sweep-splits 1,2,4]] [--out benchmarks/results/decode-h200.json]
     python benchmarks/decode.py --table benchmarks/results/decode-h200.json   # the docs table
 
 One new token (Nq = 1), bf16, Hq = 32, Hk = 8, D = 128, every sequence at the full context.
@@ -176,16 +178,26 @@ def contiguous_caches(batch, context, copies, device):
             for _ in range(copies)]
 
 
-def paged_caches(batch, context, page_size, copies, device, seed=0):
-    """Pools of shuffled pages and their block tables."""
+TABLE_MODES = ("rotated", "shared", "identity")
+
+
+def paged_caches(batch, context, page_size, copies, device, seed=0, table_mode="rotated"):
+    """Pools of pages and their block tables: a shuffled table per pool ("rotated"),
+    one shuffled table for every pool ("shared": one decode step's layers share the
+    sequences' table), or pages in order ("identity", a diagnostic)."""
     pages = math.ceil(context / page_size)
     shape = (batch * pages, HEADS_K, page_size, HEAD_DIM)
     g = torch.Generator().manual_seed(seed)
+
+    def table():
+        order = torch.arange(batch * pages) if table_mode == "identity" else torch.randperm(batch * pages, generator=g)
+        return order.view(batch, pages).to(torch.int32).to(device)
+
+    shared = table()
     caches = []
     for _ in range(copies):
-        table = torch.randperm(batch * pages, generator=g).view(batch, pages).to(torch.int32).to(device)
-        caches.append((torch.randn(shape, dtype=DTYPE, device=device),
-                       torch.randn(shape, dtype=DTYPE, device=device), table))
+        caches.append((torch.randn(shape, dtype=DTYPE, device=device), torch.randn(shape, dtype=DTYPE, device=device),
+                       table() if table_mode == "rotated" else shared))
     return caches
 
 
@@ -261,7 +273,7 @@ def run_contiguous(rows, batch, context, impls, device, deadline):
         torch.cuda.empty_cache()
 
 
-def run_paged(rows, batch, context, page_size, device, deadline):
+def run_paged(rows, batch, context, page_size, device, deadline, table_mode="rotated"):
     copies = copies_for(batch, context)
     if time.time() > deadline:
         rows.add("exattn", batch, context, True, page_size, None, "not run: past the deadline")
@@ -269,40 +281,59 @@ def run_paged(rows, batch, context, page_size, device, deadline):
     if not fits(batch, context, copies, device):
         rows.add("exattn", batch, context, True, page_size, None, "skipped: does not fit in GPU memory")
         return
-    caches = paged_caches(batch, context, page_size, copies, device)
+    caches = paged_caches(batch, context, page_size, copies, device, table_mode=table_mode)
     q = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, dtype=DTYPE, device=device)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     calls = [lambda k=k, v=v, t=t: exattn.decode(q, k, v, cache_seqlens=lens, block_table=t, validate=False)
              for k, v, t in caches]
     exattn.decode(q, *caches[0][:2], cache_seqlens=lens, block_table=caches[0][2])  # validated once
-    measure(rows, "exattn", batch, context, page_size, calls, device, f"{copies} caches rotated")
+    measure(rows, "exattn", batch, context, page_size, calls, device, f"{copies} caches rotated; {table_mode} tables")
     del caches, calls
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def sweep(path, device, deadline, shapes, default_only=False):
-    """Kernel configurations and split counts at a few shapes (for tuning; not the headline rows)."""
-    from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward, default_config
-    from exattn.decode import plan_splits
+SWEEP_CONFIGS = "64:4:2,128:4:2,128:4:3,64:4:4,128:8:3,32:4:4"
+
+
+def parse_configs(spec: str):
+    """'BLOCK_N:WARPS:STAGES,...' -> DecodeConfigs (block_m 16: G = 4 query rows)."""
+    from exattn.backends.triton.decode_kernel import DecodeConfig
+
+    return [DecodeConfig(16, *(int(n) for n in item.split(":"))) for item in filter(None, spec.split(","))]
+
+
+def parse_shape(spec: str):
+    """'BxCONTEXT[xPAGE_SIZE][@S1/S2/...]' -> (batch, context, page_size or None, split counts or None)."""
+    dims, _, splits = spec.partition("@")
+    batch, context, *page = (int(n) for n in dims.split("x"))
+    return batch, context, page[0] if page else None, [int(n) for n in splits.split("/")] if splits else None
+
+
+def sweep(path, device, deadline, shapes, configs, split_spec="", table_mode="rotated"):
+    """Kernel configurations and split counts at a few shapes (for tuning; not the headline rows).
+
+    The default configuration and plan run first; a shape's own split counts, else
+    `split_spec` ("plan": the planned count only; empty: 0.5, 1, 2 and 3 x the plan)."""
+    from exattn.backends.triton.decode_kernel import decode_forward
+    from exattn.decode import make_decode_problem, triton_plan
 
     results = []
-    default = default_config(HEADS_Q // HEADS_K, HEAD_DIM, HEAD_DIM)
-    configs = [default] + [DecodeConfig(16, n, w, s) for n, w, s in
-                           ((64, 4, 2), (128, 4, 2), (128, 4, 3), (64, 4, 4), (128, 8, 3), (32, 4, 4))]
-    configs = configs[:1] if default_only else configs
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    for batch, context, page_size in shapes:
+    for batch, context, page_size, shape_splits in shapes:
         copies = copies_for(batch, context)
         if page_size:
-            caches = paged_caches(batch, context, page_size, copies, device)
+            caches = paged_caches(batch, context, page_size, copies, device, table_mode=table_mode)
         else:
             caches = [(k, v, None) for k, v in contiguous_caches(batch, context, copies, device)]
         q = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, dtype=DTYPE, device=device)
         lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        planned = plan_splits(batch, HEADS_K, context, sms)
-        split_counts = sorted({max(1, planned // 2), planned, planned * 2, planned * 3})
-        for config in configs:
+        problem = make_decode_problem(q, caches[0][0], caches[0][1], lens, caches[0][2], None, 0, False)
+        default, planned = triton_plan(problem)
+        if shape_splits or split_spec not in ("", "plan"):
+            split_counts = shape_splits or [int(x) for x in split_spec.split(",")]
+        else:
+            split_counts = [planned] if split_spec else sorted({max(1, planned // 2), planned, planned * 2, planned * 3})
+        for config in [default] + [c for c in configs if c != default]:
             for splits in split_counts:
                 if time.time() > deadline:
                     break
@@ -315,6 +346,7 @@ def sweep(path, device, deadline, shapes, default_only=False):
                     print("sweep failure", config, splits, type(error).__name__, str(error)[:200])
                 tbps = None if ms is None else kv_bytes(batch, context) / (ms * 1e-3) / 1e12
                 results.append(dict(batch=batch, context=context, page_size=page_size,
+                                    table=table_mode if page_size else None,
                                     config=config._asdict(), splits=splits, default=config == default
                                     and splits == planned, ms=ms, tbps=tbps))
                 print(f"sweep B={batch} ctx={context} page={page_size} {tuple(config)} splits={splits}"
@@ -386,10 +418,16 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=240.0, help="stop starting measurements after this")
     parser.add_argument("--sweep", action="store_true", help="also time kernel configs and split counts")
     parser.add_argument("--sweep-shapes", default="1x131072,8x32768,8x32768x16,8x32768x256",
-                        help="BxCONTEXT[xPAGE_SIZE],...")
+                        help="BxCONTEXT[xPAGE_SIZE][@SPLITS/SPLITS/...],...")
     parser.add_argument("--sweep-s", type=float, default=45.0, help="time for the sweep, after the rest")
     parser.add_argument("--sweep-default-only", action="store_true",
                         help="sweep only split counts, with the default kernel configuration")
+    parser.add_argument("--sweep-configs", default=SWEEP_CONFIGS, help="BLOCK_N:WARPS:STAGES,... besides the default")
+    parser.add_argument("--sweep-splits", default="",
+                        help="split counts, or 'plan' (default: 0.5, 1, 2, 3 x the plan)")
+    parser.add_argument("--sweep-out", help="sweep results (default: the --out name with -sweep)")
+    parser.add_argument("--table-mode", default="rotated", choices=TABLE_MODES,
+                        help="paged caches: a block table per rotated pool, one shared table, or pages in order")
     parser.add_argument("--no-main", action="store_true", help="skip the main table (with --sweep)")
     parser.add_argument("--out", default=str(RESULTS / "decode-h200.json"))
     parser.add_argument("--device", default="cuda")
@@ -415,7 +453,7 @@ def main() -> None:
         for context in contexts:
             run_contiguous(rows, batch, context, first, device, deadline)
             for page_size in page_sizes:
-                run_paged(rows, batch, context, page_size, device, deadline)
+                run_paged(rows, batch, context, page_size, device, deadline, args.table_mode)
     if "flex" in impls:  # the anchor table's batch first
         for batch in sorted(batches, key=lambda b: (b != 8, b)):
             for context in contexts:
@@ -423,9 +461,10 @@ def main() -> None:
     if batches:
         summary(rows, batches, contexts, page_sizes)
     if args.sweep:
-        shapes = [(tuple(int(n) for n in shape.split("x")) + (None,))[:3] for shape in args.sweep_shapes.split(",")]
-        sweep_path = Path(args.out).with_name(Path(args.out).stem + "-sweep.json")
-        sweep(sweep_path, device, time.time() + args.sweep_s, shapes, args.sweep_default_only)
+        shapes = [parse_shape(shape) for shape in args.sweep_shapes.split(",")]
+        sweep_path = Path(args.sweep_out or Path(args.out).with_name(Path(args.out).stem + "-sweep.json"))
+        configs = [] if args.sweep_default_only else parse_configs(args.sweep_configs)
+        sweep(sweep_path, device, time.time() + args.sweep_s, shapes, configs, args.sweep_splits, args.table_mode)
 
 
 if __name__ == "__main__":

@@ -214,6 +214,21 @@ def test_plan_splits_bounds(batch, seqlen):
     assert all(tail_efficiency(s) < 0.95 * best for s in range(1, splits))  # and no more splits than that
 
 
+def test_plan_launch_keeps_more_programs_resident_on_a_full_gpu():
+    from exattn.decode import plan_launch
+
+    h200 = dict(head_dim=128, value_dim=128, num_sms=132)
+    config, splits = plan_launch(64, 8, 4, max_seqlen=131072, **h200)  # 512 programs saturate HBM unsplit
+    assert (config.block_n, config.num_stages) == (64, 2) and splits == 1  # 4 resident per SM: 0.97 waves
+    config, splits = plan_launch(8, 8, 4, max_seqlen=131072, **h200)  # 64 programs: deep pipelines, split
+    assert config.num_stages == 3 and splits == plan_splits(8, 8, 131072, 132, resident_per_sm=3)
+    config, splits = plan_launch(4, 8, 128, max_seqlen=8192, **h200)  # 2 row blocks of 64 x 32 = 64 programs
+    assert (config.block_m, config.num_stages) == (64, 3)
+    assert splits == plan_splits(4, 8, 8192, 132, row_blocks=2)
+    config, _ = plan_launch(33, 8, 4, max_seqlen=1024, **h200)  # 264 programs: just full
+    assert config.num_stages == 2
+
+
 def test_plan_splits_rejects_nonsense():
     with pytest.raises(ValueError, match="max_seqlen"):
         plan_splits(1, 8, 0, 132)

@@ -64,6 +64,29 @@ def test_bf16_paged_equals_contiguous(page_size):
         torch.testing.assert_close(lse, flat_lse, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("stages", (2, 3))
+def test_bf16_planned_configs(stages):
+    """Both configurations the plan picks (3 stages, or 2 on a full GPU), contiguous and paged."""
+    from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward
+
+    q, k, v, lens = make_case(4, 32, 8, 1, 3000, 128, seed=stages)
+    config = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=stages)
+    k_pages, v_pages, table = paged(k, v, lens, 16)
+    for num_splits in (1, 6):
+        out, lse = decode_forward(q, k, v, lens, None, 128 ** -0.5, num_splits, config)
+        assert_matches_attention(f"{config} splits={num_splits}", out, lse, q, k, v, lens)
+        paged_out, paged_lse = decode_forward(q, k_pages, v_pages, lens, table, 128 ** -0.5, num_splits, config)
+        torch.testing.assert_close(paged_out, out, rtol=0, atol=1e-2)
+        torch.testing.assert_close(paged_lse, lse, rtol=0, atol=1e-4)
+
+
+def test_bf16_full_gpu_plan():
+    """B = 64 x Hk = 8 fills the GPU: the 2-stage configuration through exattn.decode, ragged lengths."""
+    q, k, v, lens = make_case(64, 32, 8, 1, 1500, 128, seed=5)
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True)
+    assert_matches_attention("B=64", out, lse, q, k, v, lens, batches=[0, 1, 31, 63])
+
+
 @pytest.mark.parametrize("shape", [(8, 1, 8, 64, 64), (6, 2, 2, 96, 96), (4, 4, 3, 256, 128), (4, 4, 1, 59, 40)],
                          ids=("mqa-128rows", "gqa-d96", "d256", "d59-dv40"))
 def test_bf16_head_dims_and_groups(shape):

@@ -20,13 +20,16 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
 from .algebra import merge_states
 from .backends.tiled import tiled_forward
 from .problem import AttentionParams, check_same_dtype_device, check_scale, check_tensor, compute_dtype
+
+if TYPE_CHECKING:
+    from .backends.triton.decode_kernel import DecodeConfig
 
 DECODE_BACKENDS = ("auto", "triton", "tiled")
 
@@ -191,8 +194,8 @@ def plan_splits(
     `batch * heads_k * row_blocks` programs exist without splitting. With
     fewer than `saturating_per_sm` per SM, HBM is not saturated: waves are
     counted in `num_sms * saturating_per_sm` programs. With more, what matters
-    is the partial last wave of the programs resident at once (the split
-    kernel's registers allow `resident_per_sm` per H200 SM). With
+    is the partial last wave of the programs resident at once (`resident_per_sm`,
+    which the kernel configuration's shared memory and registers allow). With
     `waves(s) = programs * s / slots`, a split count's efficiency is
     `waves / ceil(waves)` (1.0 = whole waves, no idle SMs at the tail). The plan
     is the smallest s whose efficiency is within 5% of the best, among the s
@@ -203,7 +206,10 @@ def plan_splits(
     decode-short-sweep.json): B = 64, Hk = 8 is 512 programs, 1.3 resident waves
     unsplit; 3 splits make 3.9 waves and lift 128k from 3.97 to 4.37 TB/s, but
     at 1k keys cost 7% (3.27 vs 3.51 TB/s unsplit). B = 1 at 1k: 8 splits of 2
-    blocks read 0.56 TB/s, 4 splits of 4 blocks 0.46.
+    blocks read 0.56 TB/s, 4 splits of 4 blocks 0.46. With 2 stages (4 resident
+    per SM, `plan_launch`) B = 64 is 0.97 waves unsplit, and 1 split read 4.54 /
+    4.61 / 4.56-4.65 TB/s at 8k / 32k / 128k, 2-3 splits 4.42-4.45 / 4.57-4.60 /
+    4.62-4.64 (decode-b64-2stage-sweep.json).
     """
     for name, value in (("batch", batch), ("heads_k", heads_k), ("max_seqlen", max_seqlen),
                         ("num_sms", num_sms), ("row_blocks", row_blocks)):
@@ -269,22 +275,40 @@ def choose_decode_backend(problem: DecodeProblem, backend: object) -> str:
     return "triton"
 
 
+def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: int, max_seqlen: int,
+                num_sms: int, saturating_per_sm: int = 2) -> tuple[DecodeConfig, int]:
+    """The split kernel's configuration and split count for `rows` = G * Nq query rows
+    per K/V head. Pure function. A launch that saturates HBM unsplit (at least
+    `saturating_per_sm` programs per SM) takes the configuration with more resident
+    programs (`default_config(..., fills_gpu=True)`), and `plan_splits` counts its waves."""
+    from .backends.triton.decode_kernel import default_config, resident_per_sm
+
+    row_blocks = math.ceil(rows / default_config(rows, head_dim, value_dim).block_m)
+    fills_gpu = batch * heads_k * row_blocks >= num_sms * saturating_per_sm
+    config = default_config(rows, head_dim, value_dim, fills_gpu)
+    splits = plan_splits(batch, heads_k, max_seqlen, num_sms, row_blocks=row_blocks, block_n=config.block_n,
+                         saturating_per_sm=saturating_per_sm, resident_per_sm=resident_per_sm(config))
+    return config, splits
+
+
+def triton_plan(problem: DecodeProblem) -> tuple[DecodeConfig, int]:
+    """The split kernel's configuration and split count (`problem.num_splits`, or planned if 0)."""
+    q = problem.q
+    num_sms = multiprocessor_count(q.device.index or 0) if q.is_cuda else 1
+    heads_k = problem.k_cache.shape[1]
+    rows = (q.shape[1] // heads_k) * q.shape[2]
+    config, planned = plan_launch(q.shape[0], heads_k, rows, q.shape[3], problem.v_cache.shape[3],
+                                  problem.capacity, num_sms)
+    return config, problem.num_splits or planned
+
+
 def run_triton(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     from .backends.triton import decode_kernel
 
-    q = problem.q
-    num_splits = problem.num_splits
-    if num_splits == 0:
-        rows = (q.shape[1] // problem.k_cache.shape[1]) * q.shape[2]
-        config = decode_kernel.default_config(rows, q.shape[3], problem.v_cache.shape[3])
-        num_sms = multiprocessor_count(q.device.index or 0) if q.is_cuda else 1
-        num_splits = plan_splits(
-            q.shape[0], problem.k_cache.shape[1], problem.capacity, num_sms,
-            row_blocks=math.ceil(rows / config.block_m), block_n=config.block_n,
-        )
+    config, num_splits = triton_plan(problem)
     return decode_kernel.decode_forward(
-        q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table,
-        problem.scale, num_splits,
+        problem.q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table,
+        problem.scale, num_splits, config,
     )
 
 
