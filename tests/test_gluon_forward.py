@@ -121,6 +121,14 @@ def test_gluon_only_with_the_triton_it_was_written_for(version, expected, monkey
     monkeypatch.setattr(triton, "__version__", version)
     assert gluon_written_for_this_triton() is expected
 
+
+@pytest.mark.parametrize("head_dim,len_q,expected", [(64, 4095, False), (64, 4096, True), (128, 1, True),
+                                                     (96, 65536, False)])
+def test_gluon_forward_only_where_measured_faster(head_dim, len_q, expected):
+    from exattn.backends.triton import GLUON_FORWARD_MIN_LEN, gluon_length_ok
+
+    assert gluon_length_ok(GLUON_FORWARD_MIN_LEN, head_dim, len_q) is expected
+
 # ---------------------------------------------------------------- GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -223,8 +231,10 @@ def test_other_schedules_match_oracle(d, changes, causal, monkeypatch):
 @pytest.mark.parametrize("d", GLUON_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_backend_uses_gluon_with_correct_gradients(d, causal, monkeypatch):
+    from exattn.backends import triton as triton_backend
     from exattn.backends.triton import settings
 
+    monkeypatch.setitem(triton_backend.GLUON_FORWARD_MIN_LEN, d, 333)  # this test's query length
     calls = []
     real = gf.gluon_forward
     monkeypatch.setattr(gf, "gluon_forward", lambda *args: calls.append(1) or real(*args))
@@ -241,6 +251,10 @@ def test_triton_backend_uses_gluon_with_correct_gradients(d, causal, monkeypatch
     ref = (ref_out, *torch.autograd.grad(ref_out, ref_inputs, dout.double()))
     for name, ours, base, r in zip(("out", "dq", "dk", "dv"), grads["triton"], grads["naive"], ref):
         assert_matches_oracle(name, ours, base, r, q.dtype)
+    monkeypatch.setitem(triton_backend.GLUON_FORWARD_MIN_LEN, d, 334)
+    exattn.attention(q, k, v, causal=causal, backend="triton")
+    assert len(calls) == 1  # shorter than where Gluon wins: the Triton forward kernel
+    monkeypatch.setitem(triton_backend.GLUON_FORWARD_MIN_LEN, d, 333)
     monkeypatch.setattr(settings, "use_gluon", False)
     exattn.attention(q, k, v, causal=causal, backend="triton")
     assert len(calls) == 1  # switched off: the Triton forward kernel

@@ -21,12 +21,16 @@ from ..autograd import RecomputingAttention
 from .configs import MAX_HEAD_DIM, interpreting, tile_problems
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Where the Gluon forward beat the Triton one on the H200 (benchmarks/results/gluon-forward-h200*.json):
-# 1.29-1.37x at d = 128; 1.01-1.23x at d = 64 except bf16 causal N = 4k (0.99x).
-GLUON_HEAD_DIMS = (64, 128)
-# Where the Gluon backward beat the Triton one on the H200 (benchmarks/results/gluon-backward-h200.json):
-# 1.06-1.10x at d = 128; at d = 64 0.88-1.04x, so Triton keeps it.
-GLUON_BACKWARD_HEAD_DIMS = (128,)
+# Where the Gluon kernels beat the Triton ones on the H200: head dim -> shortest query
+# length (benchmarks/results/gluon-forward-h200*.json, gluon-backward-h200.json and the
+# prefill tables in docs/performance.md). Forward: 1.29-1.37x at d = 128 from 1k; at
+# d = 64 1.01-1.23x from 4k (0.99x bf16 causal 4k), but its 192-row tiles lose below
+# that (causal 1k: 150 vs 225 TFLOP/s). Backward: 1.06-1.10x at d = 128 from 2k, but
+# causal 1k 141 vs 242; at d = 64 0.88-1.04x, so Triton keeps it.
+GLUON_FORWARD_MIN_LEN = {64: 4096, 128: 1}
+GLUON_BACKWARD_MIN_LEN = {128: 2048}
+GLUON_HEAD_DIMS = tuple(GLUON_FORWARD_MIN_LEN)
+GLUON_BACKWARD_HEAD_DIMS = tuple(GLUON_BACKWARD_MIN_LEN)
 GLUON_TRITON = (3, 6)
 MIN_CAPABILITY = (8, 0)
 
@@ -79,17 +83,21 @@ def gluon_written_for_this_triton() -> bool:
     return tuple(int(part) for part in triton.__version__.split(".")[:2]) == GLUON_TRITON
 
 
+def gluon_length_ok(min_len: dict[int, int], head_dim: int, len_q: int) -> bool:
+    """Whether a Gluon kernel is measured faster for this head dim and query length."""
+    return head_dim in min_len and len_q >= min_len[head_dim]
+
+
 def triton_forward(q, k, v, mask, params: AttentionParams):
     """Raw forward pass: out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32 natural log.
 
-    On Hopper at the head dims of GLUON_HEAD_DIMS the Gluon kernel (`gluon_forward.py`)
-    serves what it can (measured 1.3-1.4x the Triton kernel at d = 128, 0.99-1.23x at
-    d = 64); everything else runs the Triton forward kernel.
+    On Hopper at the head dims and lengths of GLUON_FORWARD_MIN_LEN the Gluon kernel
+    (`gluon_forward.py`) serves what it can; everything else runs the Triton forward kernel.
     """
     from .passes import settings
     from .passes import triton_forward as run
 
-    if (settings.use_gluon and q.is_cuda and q.shape[-1] in GLUON_HEAD_DIMS
+    if (settings.use_gluon and q.is_cuda and gluon_length_ok(GLUON_FORWARD_MIN_LEN, q.shape[-1], q.shape[2])
             and gluon_written_for_this_triton()):
         from .gluon_forward import gluon_forward, gluon_supports
 
@@ -101,7 +109,7 @@ def triton_forward(q, k, v, mask, params: AttentionParams):
 def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
     """Raw backward pass: dq, dk, dv for `triton_forward`, or added into `accumulate_into`.
 
-    On Hopper at the head dims of GLUON_BACKWARD_HEAD_DIMS the Gluon kernels
+    On Hopper at the head dims and lengths of GLUON_BACKWARD_MIN_LEN the Gluon kernels
     (`gluon_backward.py`, deterministic) serve what they can, unless the atomic dQ
     variant is asked for; everything else runs the Triton kernels.
     """
@@ -109,7 +117,8 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     from .passes import triton_backward as run
 
     if (settings.use_gluon and not settings.atomic_dq and q.is_cuda
-            and q.shape[-1] in GLUON_BACKWARD_HEAD_DIMS and gluon_written_for_this_triton()):
+            and gluon_length_ok(GLUON_BACKWARD_MIN_LEN, q.shape[-1], q.shape[2])
+            and gluon_written_for_this_triton()):
         from . import gluon_backward as gb
 
         if not gb.gluon_backward_supports(q, k, v, mask, params, dout):
