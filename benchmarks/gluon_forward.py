@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import attention_flops  # noqa: E402
-from prefill import HIDDEN, TOKENS, attention_function, make_inputs, prewarm, versions  # noqa: E402
+from prefill import attention_function, cells, make_inputs, prewarm, versions  # noqa: E402
 
 IMPLS = ("gluon", "exattn-triton", "sdpa-cudnn", "sdpa-flash", "flex")
 ANCHORS = ("sdpa-cudnn", "flex", "exattn-triton")
@@ -54,15 +54,6 @@ def parse_benchmark_args(argv, description: str, variants_help: str, out_name: s
 
 def parse_args(argv=None):
     return parse_benchmark_args(argv, __doc__, "'dim:BLOCK_NxSTAGES[w3][pp],...'", "gluon-forward-h200.json")
-
-
-def cells(args):
-    for dtype in args.dtypes.split(","):
-        for d in (int(x) for x in args.head_dims.split(",")):
-            for causal in (bool(int(x)) for x in args.causal.split(",")):
-                for n in (int(x) for x in args.seqlens.split(",")):
-                    yield dict(dtype=dtype, head_dim=d, causal=causal, seqlen=n,
-                               batch=max(1, TOKENS // n), heads=HIDDEN // d)
 
 
 def variant(spec: str):
