@@ -8,8 +8,9 @@ dim 64 and 128; causal off/on. FLOPs = 2.5 * 4*B*H*N^2*D, halved for causal;
 (the raw pass `passes.triton_backward`), and the autograd backward of SDPA's
 cuDNN and flash backends and of compiled FlexAttention (as prefill.py times
 them). `--variants` adds Gluon rows with other tiles for one head dim:
-"dim:BLOCK_MxSTAGES/BLOCK_NxSTAGES" (dK/dV queries per step and Q/dO slots,
-dQ keys per step and K/V slots), e.g. "64:64x4/128x4".
+"dim:BLOCK_MxSTAGES/BLOCK_NxSTAGES[r]" (dK/dV queries per step and Q/dO slots,
+dQ keys per step and K/V slots; "r": resident tiles as register operands,
+`GluonBackwardConfig.in_registers`), e.g. "64:64x4/128x4,64:64x4/64x4r".
 
     PYTHONPATH=src python3 benchmarks/gluon_backward.py --out $OUT/gluon-backward-h200.json
 """
@@ -36,12 +37,16 @@ def parse_args(argv=None):
 
 
 def variant(spec: str):
-    """'64:64x4/128x4' -> (64, GluonBackwardConfig(64, 4, 128, 4))."""
+    """'64:64x4/128x4' -> (64, GluonBackwardConfig(64, 4, 128, 4)); a trailing 'r' sets in_registers."""
+    import re
+
     from exattn.backends.triton.gluon_backward import GluonBackwardConfig
 
-    dim, tiles = spec.split(":")
-    (bm, sm), (bn, sn) = (part.split("x") for part in tiles.split("/"))
-    return int(dim), GluonBackwardConfig(int(bm), int(sm), int(bn), int(sn))
+    found = re.fullmatch(r"(\d+):(\d+)x(\d+)/(\d+)x(\d+)(r?)", spec)
+    if found is None:
+        raise ValueError(f"--variants: {spec!r} is not 'dim:BLOCK_MxSTAGES/BLOCK_NxSTAGES[r]'")
+    dim, bm, sm, bn, sn, regs = found.groups()
+    return int(dim), GluonBackwardConfig(int(bm), int(sm), int(bn), int(sn), bool(regs))
 
 
 def raw_backward(impl: str, cell):

@@ -1,26 +1,38 @@
 """The Gluon (sm_90) backward: compiled for Hopper on the CPU, run against the oracle on the GPU.
 
-CPU (CI): every shipped configuration of both kernels (dK/dV and dQ) compiles
-for sm_90a with the wheel's ptxas, without spills, inside Hopper's shared
-memory, and keeps its design (warp specialization, TMA, the dP wgmma in flight
-under the exponentials); `gluon_backward_supports` names every reason it
-refuses. GPU (`-m gpu`): dq, dk, dv on awkward shapes against the float64
-oracle with the shared error rule, bitwise reruns, accumulate_into, and the
-dispatch of backend "triton".
+CPU (CI): every shipped configuration of both kernels (dK/dV and dQ), and the
+d = 64 candidates the benchmark compares, compiles for sm_90a with the wheel's
+ptxas from the arguments `launch` builds (host TMA descriptors included),
+without spills, inside Hopper's shared memory, and keeps its design (warp
+specialization, 4-D TMA boxes, no per-program descriptors, the dP wgmma in
+flight under the exponentials, no atomics); `gluon_backward_supports` names
+every reason it refuses. GPU (`-m gpu`): dq, dk, dv on awkward shapes against
+the float64 oracle with the shared error rule (the candidates too), bitwise
+reruns, accumulate_into, and the dispatch of backend "triton".
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 import torch
 import triton
 from error_rule import assert_matches_oracle
-from test_gluon_forward import (DTYPES, HOPPER_SHARED_BYTES, SHAPES, TYPE_NAMES, cpu_inputs, gpu_inputs,
-                                needs_cuda, resource_usage)
+from test_gluon_forward import (
+    DTYPES,
+    HOPPER_SHARED_BYTES,
+    SHAPES,
+    TYPE_NAMES,
+    cpu_inputs,
+    gpu_inputs,
+    needs_cuda,
+    resource_usage,
+)
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
 
 import exattn
 from exattn.backends.triton import gluon_backward as gb
@@ -28,62 +40,136 @@ from exattn.problem import AttentionParams
 from exattn.reference import attention_ref
 
 KERNELS = {"dkdv": gb.gluon_dkdv_kernel, "dq": gb.gluon_dq_kernel}
+# d = 64 tiles measured against the shipped ones (benchmarks/gluon_backward.py --variants):
+# compiled here, run against the oracle on the GPU.
+CANDIDATES = {
+    "64:64x4/64x4r": gb.GluonBackwardConfig(64, 4, 64, 4, True),
+    "64:64x4/128x2r": gb.GluonBackwardConfig(64, 4, 128, 2, True),
+    "64:64x4/128x2": gb.GluonBackwardConfig(64, 4, 128, 2),
+}
+CONFIG_IDS = ["shipped", *CANDIDATES]
 
 
-def constants(kind: str, dim: int, causal: bool, accumulate: bool) -> dict:
-    """Constexpr arguments and launch options, as `gluon_backward.launch` passes them."""
-    cfg = gb.CONFIGS[dim]
-    tiles = (dict(BLOCK_M=cfg.dkdv_block_m, STAGES=cfg.dkdv_stages) if kind == "dkdv"
-             else dict(BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages))
-    return dict(D=dim, CAUSAL=causal, ACCUMULATE=accumulate, **tiles)
+def config_for(dim: int, config_id: str) -> gb.GluonBackwardConfig:
+    return gb.CONFIGS[dim] if config_id == "shipped" else CANDIDATES[config_id]
 
 
-def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accumulate: bool = False):
-    """One kernel as `gluon_backward` launches it for contiguous inputs, compiled for sm_90a."""
+def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, cfg) -> tuple:
+    """(positional arguments, constexprs) as `gluon_backward.launch` passes them, built from CPU
+    tensors (contiguous, (B, N, H, D) memory for the float32 accumulators)."""
+    q, k, v = (torch.empty(2, heads, 300, dim, dtype=dtype) for heads in (4, 2, 2))
+    if accumulate:
+        dq, dk, dv = (torch.empty(2, 300, x.shape[1], dim).transpose(1, 2) for x in (q, k, v))
+    else:
+        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    pad = gb.padded_rows(300, cfg)
+    lse2 = delta = torch.empty(8, pad)
+    if kind == "dkdv":
+        args, _ = gb.dkdv_arguments(q, q, k, v, lse2, delta, dk, dv, pad, cfg)
+        stages = cfg.dkdv_stages
+    else:
+        args, _ = gb.dq_arguments(q, q, k, v, lse2, delta, dq, pad, cfg)
+        stages = cfg.dq_stages
+    return (*args, 0.5, 0.1), dict(STAGES=stages, **gb.kernel_options(cfg, False, accumulate))
+
+
+def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accumulate: bool = False,
+                     config_id: str = "shipped"):
+    """One kernel as `gluon_backward` launches it, compiled for sm_90a."""
     kernel = KERNELS[kind]
-    consts = constants(kind, dim, causal, accumulate)
+    args, consts = launch_arguments(kind, dim, dtype, accumulate, config_for(dim, config_id))
+    consts["CAUSAL"] = causal
+    options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}
     signature, constexprs = {}, dict(consts)
-    grads = "*fp32" if accumulate else "*" + TYPE_NAMES[dtype]
-    for i, name in enumerate(kernel.arg_names):
+    for i, (name, arg) in enumerate(zip(kernel.arg_names, [*args, *consts.values()], strict=True)):
         if name in consts:
             signature[name] = "constexpr"
-        elif name in ("Q", "K", "V", "DO"):
-            signature[name] = "*" + TYPE_NAMES[dtype]
-        elif name in ("DQ", "DK", "DV"):
-            signature[name] = grads
-        elif name in ("LSE2", "DELTA"):
-            signature[name] = "*fp32"
-        elif name.endswith("strides"):
+        elif isinstance(arg, torch.Tensor):
+            signature[name] = "*" + ("fp32" if arg.dtype == torch.float32 else TYPE_NAMES[arg.dtype])
+        elif isinstance(arg, tuple):
             signature[name] = ("i64", "i64", "i64", "constexpr")
             constexprs[(i, 3)] = 1
-        elif name.startswith("scale"):
+        elif isinstance(arg, float):
             signature[name] = "fp32"
-        else:
+        elif isinstance(arg, int):
             signature[name] = "i32"
+        else:
+            signature[name] = mangle_type(arg)
     source = GluonASTSource(kernel, signature=signature, constexprs=constexprs)
-    options = dict(num_warps=4, maxnreg=gb.MAXNREG)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-@pytest.mark.parametrize("kind,dim,causal,dtype,accumulate", [
-    ("dkdv", 128, False, torch.bfloat16, False), ("dkdv", 128, True, torch.bfloat16, False),
-    ("dkdv", 64, False, torch.bfloat16, False), ("dkdv", 64, True, torch.bfloat16, False),
-    ("dkdv", 128, True, torch.float16, True),
-    ("dq", 128, False, torch.bfloat16, False), ("dq", 128, True, torch.bfloat16, False),
-    ("dq", 64, False, torch.bfloat16, False), ("dq", 64, True, torch.bfloat16, False),
-    ("dq", 128, True, torch.float16, True),
+@pytest.mark.parametrize("kind,dim,causal,dtype,accumulate,config_id", [
+    ("dkdv", 128, False, torch.bfloat16, False, "shipped"), ("dkdv", 128, True, torch.bfloat16, False, "shipped"),
+    ("dkdv", 64, False, torch.bfloat16, False, "shipped"), ("dkdv", 64, True, torch.bfloat16, False, "shipped"),
+    ("dkdv", 128, True, torch.float16, True, "shipped"), ("dkdv", 64, True, torch.float16, True, "shipped"),
+    ("dq", 128, False, torch.bfloat16, False, "shipped"), ("dq", 128, True, torch.bfloat16, False, "shipped"),
+    ("dq", 64, False, torch.bfloat16, False, "shipped"), ("dq", 64, True, torch.bfloat16, False, "shipped"),
+    ("dq", 128, True, torch.float16, True, "shipped"), ("dq", 64, True, torch.float16, True, "shipped"),
+    *[(kind, 64, True, torch.bfloat16, accumulate, config_id) for config_id in CANDIDATES
+      for kind in KERNELS for accumulate in (False, True)],
 ])
-def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, tmp_path):
-    kernel = compile_for_sm90(kind, dim, causal, dtype, accumulate)
+def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, config_id, tmp_path):
+    kernel = compile_for_sm90(kind, dim, causal, dtype, accumulate, config_id)
     usage = resource_usage(kernel, tmp_path)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no warp specialization"
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, "dP no longer overlaps the exponentials"
-    assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+    assert "cp.async.bulk.tensor.4d" in ptx, "no TMA loads of 4-D boxes"
+    assert "tensormap.replace" not in ptx, "descriptors are made on the host, not per program"
     atomics = re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red|cp\.reduce)\.\S*", ptx, re.MULTILINE)
     assert not atomics, f"atomics {atomics[:3]}: the backward must stay deterministic"
+
+
+def sass_lines(kernel, tmp_path) -> list[str]:
+    """The kernel's SASS (the wheel's nvdisasm), one instruction or label per line, comments dropped."""
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    listing = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", str(cubin)],
+                             capture_output=True, text=True, check=True).stdout
+    return [line for line in (re.sub(r"/\*.*?\*/", "", raw).strip() for raw in listing.splitlines()) if line]
+
+
+NOT_WRITES = ("HGMMA", "ST", "RED", "ATOM", "BRA", "SYNCS", "BAR", "WARPGROUP")
+
+
+def written_registers(line: str) -> set[int]:
+    """The R registers an instruction writes: its first operand, 2 or 4 wide for 64/128-bit results."""
+    match = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][\w.]*)\s+R(\d+)\b", line)
+    if match is None or match.group(1).startswith(NOT_WRITES):
+        return set()
+    op, first = match.group(1), int(match.group(2))
+    width = 4 if re.search(r"\.128|^LDSM.*\.4$", op) else 2 if re.search(r"\.64|\.WIDE|^CS2R|^LDSM.*\.2$", op) else 1
+    return set(range(first, first + width))
+
+
+def wgmma_loops(lines: list[str]) -> list[list[str]]:
+    """Bodies of the consumers' sweeps: a backward branch over wgmmas, within one partition's code."""
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\.L_x_\d+):$", line))}
+    loops = []
+    for end, line in enumerate(lines):
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), end) < end:
+            body = lines[labels[target.group(1)]:end + 1]
+            if any("HGMMA" in b for b in body) and not any(re.match(r"LDSM|EXIT|BRX|USETMAXREG", b) for b in body):
+                loops.append(body)
+    return loops
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config_id", [c for c, cfg in CANDIDATES.items() if cfg.in_registers])
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_resident_register_operands_survive_the_sweep(kind, config_id, causal, tmp_path):
+    """With in_registers, the K, V (dK/dV) or Q, dO (dQ) tiles loaded once into registers (LDSM) must keep
+    those registers through every step: ptxas once gave K's to dS^T, so the second S^T read dS^T."""
+    lines = sass_lines(compile_for_sm90(kind, 64, causal, torch.bfloat16, False, config_id), tmp_path)
+    resident = set().union(*(written_registers(line) for line in lines if line.startswith("LDSM")))
+    loops = wgmma_loops(lines)
+    assert len(resident) >= 2 * 16 and len(loops) >= 2, (sorted(resident), len(loops))  # 2 tiles, 2 warpgroups
+    clobbers = [line for body in loops for line in body if written_registers(line) & resident]
+    assert not clobbers, f"resident operand registers overwritten inside the sweep: {clobbers[:4]}"
 
 
 def test_supports_names_every_reason(monkeypatch):
@@ -97,6 +183,39 @@ def test_supports_names_every_reason(monkeypatch):
     for words in ("CUDA", "float32", "D=80, Dv=48", "mask", "dropout_p=0.1", "window=(4, 0)",
                   "scale=-1.0", "block_m=64", "multiple of key/value heads", "TMA", "dout (shape (1, 3, 8, 48)"):
         assert words in reasons, (words, reasons)
+
+
+def test_supports_refuses_broadcast_batch_or_heads(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = cpu_inputs(torch.bfloat16, dim=64, heads=(4, 1))
+    k = k.expand(1, 2, 8, 64)
+    reasons = " | ".join(gb.gluon_backward_supports(q, k, v.expand(1, 2, 8, 64), None, AttentionParams(scale=0.1)))
+    assert "k, v broadcast (stride 0)" in reasons, reasons
+
+
+def test_tma_strides_fix_only_dims_of_size_one():
+    x = torch.empty(3, 5, 7, 64, dtype=torch.bfloat16)
+    assert gb.tma_strides(x) == list(x.stride())
+    odd = torch.empty(1, 7, 1, 64).as_strided((1, 1, 7, 64), (3, 5, 64, 1))  # any stride on size-1 dims
+    assert gb.tma_strides(odd) == [448, 448, 64, 1]
+
+
+def test_row_stats_pad_and_map_rows_with_no_key():
+    """lse2 = lse * log2(e) (+inf for lse = -inf and in the padding), delta = rowsum(out * dout) (0 there).
+    Runs wherever Triton does: the interpreter on the CPU, the GPU otherwise."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(9)
+    out = torch.randn(2, 77, 3, 64, device=device).transpose(1, 2).half()  # strided (B, N, H, D) memory
+    dout = torch.randn(2, 3, 77, 64, device=device).half()
+    lse = torch.randn(2, 3, 77, device=device)
+    lse[0, 1, 5] = float("-inf")
+    lse2, delta = gb.row_stats(lse, out, dout, 128)
+    assert lse2.shape == delta.shape == (6, 128)
+    expected = (lse * 1.4426950408889634).reshape(6, 77)
+    expected[1, 5] = float("inf")
+    torch.testing.assert_close(lse2[:, :77], expected)
+    torch.testing.assert_close(delta[:, :77], (out.float() * dout.float()).sum(-1).reshape(6, 77), atol=1e-3, rtol=1e-4)
+    assert (lse2[:, 77:] == float("inf")).all() and (delta[:, 77:] == 0).all()
 
 
 def test_supports_refuses_lse_rows_beyond_32_bit_coordinates(monkeypatch):
@@ -164,6 +283,19 @@ def check(q, k, v, dout, causal):
 def test_matches_oracle(dtype, d, causal, shape):
     torch.manual_seed(hash((d, causal) + shape) % 2**31)
     check(*gpu_inputs(*shape, d, dtype, with_dout=True), causal)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config_id", list(CANDIDATES))
+@pytest.mark.parametrize("shape", [(2, 4, 1, 1, 300), (1, 6, 2, 77, 211), (2, 2, 1, 257, 129), (1, 2, 2, 1100, 999)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_candidate_configs_match_oracle(dtype, causal, config_id, shape, monkeypatch):
+    monkeypatch.setitem(gb.CONFIGS, 64, CANDIDATES[config_id])
+    torch.manual_seed(hash((causal,) + shape) % 2**31)
+    check(*gpu_inputs(*shape, 64, dtype, layout="bnhd", with_dout=True), causal)
 
 
 @pytest.mark.gpu

@@ -27,6 +27,13 @@ streams K and V tiles (the forward's key range: causal tiles above the
 diagonal are never loaded); per tile S = Q K^T and dP = dO V^T in flight
 together, P under dP, dQ += dS K with dS from registers.
 
+The TMA descriptors are made on the host over whole (B, H, N, D) tensors
+(4-D boxes, zero fill past each head's last row), so no program writes or
+fences one. With `in_registers` (d = 64) K and V (dK/dV) or Q and dO (dQ) are
+read once into registers and the S and dP wgmmas take them from there, which
+halves those wgmmas' shared-memory reads. One Triton kernel (`row_stats_kernel`)
+forms delta and the base-2 lse, padded, before the two passes.
+
 Each output element has one owner and a fixed summation order, no atomics:
 reruns are bitwise equal. A query row with lse = -inf (it sees no key) uses
 +inf, so its P and its gradients are 0. With `accumulate_into` the finished
@@ -39,6 +46,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -47,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams, check_accumulators
 from .configs import tma_compatible
@@ -57,21 +66,22 @@ from .gluon_forward import (
     ROWS,
     gluon_supports,
     key_tiles,
-    load_partition,
     release,
     wait_ready,
 )
-from .passes import LOG2E, ensure_allocator, grid_of, on_device, row_deltas
+from .passes import LOG2E, grid_of, on_device
 
 
 class GluonBackwardConfig(NamedTuple):
     """dkdv_block_m: queries per step of the dK/dV sweep, with `dkdv_stages` Q/dO slots;
-    dq_block_n: keys per step of the dQ sweep, with `dq_stages` K/V slots."""
+    dq_block_n: keys per step of the dQ sweep, with `dq_stages` K/V slots; in_registers:
+    the resident tiles (K, V; Q, dO) are register operands of the S and dP wgmmas."""
 
     dkdv_block_m: int
     dkdv_stages: int
     dq_block_n: int
     dq_stages: int
+    in_registers: bool = False
 
 
 CONFIGS = {64: GluonBackwardConfig(64, 4, 64, 4), 128: GluonBackwardConfig(64, 4, 64, 4)}
@@ -118,21 +128,31 @@ def query_tiles(n0, len_q, len_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def as_box(smem, desc):
-    """A [rows, D] slot seen as the [1, rows, D] box of a (heads, rows, D) descriptor."""
+    """A [rows, D] slot seen as the [1, 1, rows, D] box of a (B, H, N, D) descriptor."""
     return smem._reinterpret(smem.dtype, desc.block_type.shape, desc.layout)
 
 
 @gluon.jit
 def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
-                        v_smem, lse_smem, delta_smem, bars, n0, bh0, len_q, len_q_pad, group, lo, hi):
+                        v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, len_q, len_q_pad, len_k,
+                        group, CAUSAL: gl.constexpr):
     """Producer warp: K, V once; then Q, lse and dO, delta of (head g, tile t) into slot j % STAGES."""
     kv_bar, q_ready, do_ready, empty = bars
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
+    pid = gl.program_id(0)
+    heads_k = heads_q // group
+    b = pid // num_col_tiles // heads_k
+    hk = pid // num_col_tiles % heads_k
+    bh0 = b * heads_q + hk * group
+    n0 = (pid % num_col_tiles) * (2 * ROWS)
+    lo, _, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [n0 + half * ROWS, 0], kv_bar, k_smem.index(half))
-        tma.async_copy_global_to_shared(v_desc, [n0 + half * ROWS, 0], kv_bar, v_smem.index(half))
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + half * ROWS, 0], kv_bar,
+                                        as_box(k_smem.index(half), k_desc))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0 + half * ROWS, 0], kv_bar,
+                                        as_box(v_smem.index(half), v_desc))
     tiles = gl.maximum(hi - lo, 0)
     for j in range(group * tiles):
         g = j // tiles
@@ -141,18 +161,26 @@ def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
         ready = q_ready.index(slot)
         mbarrier.expect(ready, q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [g, row, 0], ready, as_box(q_smem.index(slot), q_desc))
+        tma.async_copy_global_to_shared(q_desc, [b, hk * group + g, row, 0], ready, as_box(q_smem.index(slot), q_desc))
         tma.async_copy_global_to_shared(lse_desc, [(bh0 + g) * len_q_pad + row], ready, lse_smem.index(slot))
         ready = do_ready.index(slot)
         mbarrier.expect(ready, do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [g, row, 0], ready, as_box(do_smem.index(slot), do_desc))
+        tma.async_copy_global_to_shared(do_desc, [b, hk * group + g, row, 0], ready,
+                                        as_box(do_smem.index(slot), do_desc))
         tma.async_copy_global_to_shared(delta_desc, [(bh0 + g) * len_q_pad + row], ready, delta_smem.index(slot))
 
 
 @gluon.jit
-def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, keys, t, j, full, len_q, len_k,
-              scale_log2, s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr):
-    """One query tile t (ring slot of step j) into (dk, dv); tiles t < full are masked (causal diagonal)."""
+def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, first, t, j, full, len_q, len_k,
+              scale_log2, s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr,
+              IN_REGISTERS: gl.constexpr):
+    """One query tile t (ring slot of step j) into keys [first, first + 64) of (dk, dv); tiles t < full
+    are masked (causal diagonal). Returns (dk, dv, k, v).
+
+    k, v: this warpgroup's keys, as shared-memory tiles or (IN_REGISTERS) as register operands. Register
+    operands pass through the waits of their wgmmas and come back for the next step: held only as
+    loop invariants, ptxas 12.8 gives their registers to dS^T (the next S^T then read dS^T, not K).
+    """
     kv_bar, q_ready, do_ready, empty = bars
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -168,16 +196,22 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, keys, t
     dp_tok = warpgroup_mma(v, do.permute((1, 0)), gl.zeros([ROWS_, BLOCK_M], gl.float32, s_layout),
                            use_acc=False, is_async=True)
     lse2 = lse_smem.index(slot).load(col_layout)
-    s = warpgroup_mma_wait(1, deps=(s_tok,))
+    if IN_REGISTERS:
+        s, k = warpgroup_mma_wait(1, deps=(s_tok, k))
+    else:
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
     p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 0))
     if CAUSAL:
         if t < full:  # key n is seen by query m iff n - (Nk - Nq) - t * BLOCK_M <= m - t * BLOCK_M
             rows = gl.arange(0, ROWS_, layout=gl.SliceLayout(1, s_layout))
-            seen = (gl.expand_dims(rows + (keys - t * BLOCK_M), 1)
+            seen = (gl.expand_dims(rows + (first - (len_k - len_q) - t * BLOCK_M), 1)
                     <= gl.expand_dims(gl.arange(0, BLOCK_M, layout=col_layout), 0))
             p = gl.where(seen, p, 0.0)
     delta = delta_smem.index(slot).load(col_layout)
-    dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+    if IN_REGISTERS:
+        dp, v = warpgroup_mma_wait(0, deps=(dp_tok, v))
+    else:
+        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
     ds = p * (dp - gl.expand_dims(delta, 0))
     p_op = gl.convert_layout(p.to(q.dtype), op_layout)
     ds_op = gl.convert_layout(ds.to(q.dtype), op_layout)
@@ -185,13 +219,31 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, keys, t
     dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
     dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
     release(empty, j, STAGES)
-    return dk, dv
+    return dk, dv, k, v
+
+
+@gluon.jit
+def resident_operand(smem, acc_layout: gl.constexpr, IN_REGISTERS: gl.constexpr):
+    """A resident [64, D] tile as the A operand of a wgmma with accumulator layout `acc_layout`:
+    the shared-memory tile itself, or (IN_REGISTERS) its registers."""
+    if IN_REGISTERS:
+        return smem.load(gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
+    else:
+        return smem
+
+
+@gluon.jit
+def program_id_again():
+    """gl.program_id(0), read anew: values derived from it after a long loop are recomputed
+    there instead of being kept (or spilled) across the loop."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars,
                            DK, DV, dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
-                           scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
+                           scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
+                           IN_REGISTERS: gl.constexpr):
     """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV."""
     kv_bar = bars[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -201,24 +253,25 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    k = k_smem.index(half)
-    v = v_smem.index(half)
     n0 = (gl.program_id(0) % num_col_tiles) * (2 * ROWS)
     lo, full, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
-    keys = n0 + half * ROWS - (len_k - len_q)  # the first key, shifted onto the query axis
+    first = n0 + half * ROWS
     dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
     tiles = gl.maximum(hi - lo, 0)
     mbarrier.wait(kv_bar, 0)
+    k = resident_operand(k_smem.index(half), s_layout, IN_REGISTERS)
+    v = resident_operand(v_smem.index(half), s_layout, IN_REGISTERS)
     for j in range(group * tiles):
-        dk, dv = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, keys, lo + j % tiles, j,
-                           full, len_q, len_k, scale_log2, s_layout, op_layout, CAUSAL)
-    pid = gl.program_id(0)
+        dk, dv, k, v = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, first,
+                                 lo + j % tiles, j, full, len_q, len_k, scale_log2, s_layout, op_layout, CAUSAL,
+                                 IN_REGISTERS)
+    pid = program_id_again()
+    first = (pid % num_col_tiles) * (2 * ROWS) + half * ROWS
     heads_k = heads_q // group
     bhk = pid // num_col_tiles
     b = (bhk // heads_k).to(gl.int64)
     hk = (bhk % heads_k).to(gl.int64)
-    first = (pid % num_col_tiles) * (2 * ROWS) + half * ROWS
     store_rows(DK + b * dk_strides[0] + hk * dk_strides[1], dk_strides[2], dk_strides[3], dk * scale, first,
                len_k, ACCUMULATE)
     store_rows(DV + b * dv_strides[0] + hk * dv_strides[1], dv_strides[2], dv_strides[3], dv, first,
@@ -227,40 +280,23 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
 
 @gluon.jit
 def gluon_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
-    batch_heads, heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, scale_log2, scale,
-    D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    ACCUMULATE: gl.constexpr,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides,
+    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, scale_log2, scale,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
 ):
-    """Grid: (num_col_tiles * B * Hk,). Strides are (batch, head, row, col); q/k/v/do last strides are 1.
+    """Grid: (num_col_tiles * B * Hk,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
+    [1, 1, BLOCK_M, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, 64, D] boxes.
 
-    DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE.
-    LSE2, DELTA: contiguous (B * Hq, len_q_pad) float32 (len_q_pad: Nq rounded up to BLOCK_M, so a
-    1-D TMA box never exceeds the tensor, batch_heads * len_q_pad < 2**31): lse * log2(e) with
-    +inf where lse = -inf and in the padding; rowsum(O * dO) with 0 in the padding.
+    DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE; strides (batch,
+    head, row, col). lse_desc, delta_desc (`stats_descriptor`): contiguous (B * Hq, len_q_pad) float32
+    (len_q_pad: Nq rounded up to BLOCK_M, so a 1-D box never exceeds the tensor, B * Hq * len_q_pad
+    < 2**31): lse * log2(e) with +inf where lse = -inf and in the padding; rowsum(O * dO), 0 in the padding.
     """
-    pid = gl.program_id(0)
-    heads_k = heads_q // group
-    bhk = pid // num_col_tiles
-    n0 = (pid % num_col_tiles) * (2 * ROWS)
-    b = (bhk // heads_k).to(gl.int64)
-    hk = (bhk % heads_k).to(gl.int64)
-    h0 = hk * group
-    dtype: gl.constexpr = Q.dtype.element_ty
-    box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
+    dtype: gl.constexpr = q_desc.dtype
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
-    stat_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
-    # Q and dO of the whole GQA group as (group, Nq, D): ragged tails are zero-filled per head.
-    q_desc = tma.make_tensor_descriptor(Q + b * q_strides[0] + h0 * q_strides[1], [group, len_q, D],
-                                        [q_strides[1], q_strides[2], 1], [1, BLOCK_M, D], box_layout)
-    do_desc = tma.make_tensor_descriptor(DO + b * do_strides[0] + h0 * do_strides[1], [group, len_q, D],
-                                         [do_strides[1], do_strides[2], 1], [1, BLOCK_M, D], box_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * k_strides[0] + hk * k_strides[1], [len_k, D],
-                                        [k_strides[2], 1], [ROWS, D], tile_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * v_strides[0] + hk * v_strides[1], [len_k, D],
-                                        [v_strides[2], 1], [ROWS, D], tile_layout)
-    lse_desc = tma.make_tensor_descriptor(LSE2, [batch_heads * len_q_pad], [1], [BLOCK_M], stat_layout)
-    delta_desc = tma.make_tensor_descriptor(DELTA, [batch_heads * len_q_pad], [1], [BLOCK_M], stat_layout)
+    stat_layout: gl.constexpr = lse_desc.layout
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], tile_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], tile_layout)
@@ -279,19 +315,19 @@ def gluon_dkdv_kernel(
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     bars = (kv_bar, q_ready, do_ready, empty)
 
-    lo, _, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
-    bh0 = (b * heads_q + h0).to(gl.int32)
     # Arguments written out in each tuple: a tuple bound to a name would turn the constexprs
-    # into run-time values inside the partitions.
+    # into run-time values inside the partitions. Each partition derives its tiles from the
+    # program id itself (values shared with the prologue would stay live across the sweep).
     gl.warp_specialize([
         (dkdv_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
-                                  scale_log2, scale, CAUSAL, ACCUMULATE)),
+                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS)),
         (dkdv_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
-                                  scale_log2, scale, CAUSAL, ACCUMULATE)),
+                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
-                               v_smem, lse_smem, delta_smem, bars, n0, bh0, len_q, len_q_pad, group, lo, hi)),
+                               v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, len_q, len_q_pad, len_k,
+                               group, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -299,9 +335,34 @@ def gluon_dkdv_kernel(
 
 
 @gluon.jit
+def dq_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles):
+    """Producer warp: both Q halves once, then K_j and V_j into slot j % STAGES once both consumers freed it."""
+    q_bar, k_ready, k_empty, v_ready, v_empty, _ = bars
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * ROWS, 0], q_bar, as_box(q_smem.index(half), q_desc))
+    for j in range(num_tiles):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot),
+                                        as_box(k_smem.index(slot), k_desc))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot),
+                                        as_box(v_smem.index(slot), v_desc))
+
+
+@gluon.jit
 def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k, scale_log2,
             s_layout: gl.constexpr, op_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key tile j (ring slot j % STAGES) into dq; MASK: the causal diagonal or the ragged last tile."""
+    """Key tile j (ring slot j % STAGES) into dq; MASK: the causal diagonal or the ragged last tile.
+
+    q, do: this warpgroup's rows, as shared-memory tiles or as register operands.
+    """
     q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -324,7 +385,7 @@ def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k,
             p = gl.where(gl.expand_dims(cols < len_k, 0), p, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp_tok,))
     release(v_empty, j, STAGES)
-    ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(q.dtype), op_layout)
+    ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(k.dtype), op_layout)
     dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
     dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
     release(k_empty, j, STAGES)
@@ -334,7 +395,7 @@ def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k,
 @gluon.jit
 def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2,
                          DELTA, DQ, dq_strides, heads_q, num_row_tiles, len_q, len_q_pad, len_k, scale_log2,
-                         scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
+                         scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr):
     """Consumer warpgroup `half`: rows m0 + 64*half + [0, 64); loads its dO half, writes its dQ rows."""
     q_bar = bars[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -345,29 +406,30 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     bh, m0 = row_block(num_row_tiles, CAUSAL)
+    heads = bh % heads_q
+    b = bh // heads_q
     first = m0 + half * ROWS
     mbarrier.expect(do_bar.index(half), do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(do_desc, [first, 0], do_bar.index(half), do_smem.index(half))
+    tma.async_copy_global_to_shared(do_desc, [b, heads, first, 0], do_bar.index(half),
+                                    as_box(do_smem.index(half), do_desc))
     rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     inside = rows < len_q
     lse2 = gl.load(LSE2 + (bh.to(gl.int64) * len_q_pad + rows), mask=inside, other=float("inf"))
     delta = gl.load(DELTA + (bh.to(gl.int64) * len_q_pad + rows), mask=inside, other=0.0)
     num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
     dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
-    q = q_smem.index(half)
-    do = do_smem.index(half)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(do_bar.index(half), 0)
+    q = resident_operand(q_smem.index(half), s_layout, IN_REGISTERS)
+    do = resident_operand(do_smem.index(half), s_layout, IN_REGISTERS)
     for j in range(full_tiles):
         dq = dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k, scale_log2,
                      s_layout, op_layout, False, CAUSAL)
     for j in range(full_tiles, num_tiles):
         dq = dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k, scale_log2,
                      s_layout, op_layout, True, CAUSAL)
-    heads = bh % heads_q
-    b = (bh // heads_q).to(gl.int64)
-    store_rows(DQ + b * dq_strides[0] + heads.to(gl.int64) * dq_strides[1], dq_strides[2], dq_strides[3],
-               dq * scale, first, len_q, ACCUMULATE)
+    store_rows(DQ + b.to(gl.int64) * dq_strides[0] + heads.to(gl.int64) * dq_strides[1], dq_strides[2],
+               dq_strides[3], dq * scale, first, len_q, ACCUMULATE)
 
 
 @gluon.jit
@@ -382,30 +444,24 @@ def row_block(num_row_tiles, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def gluon_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ, q_strides, k_strides, v_strides, do_strides, dq_strides,
+    q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, dq_strides,
     heads_q, group, len_q, len_q_pad, len_k, num_row_tiles, scale_log2, scale,
-    D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    ACCUMULATE: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
 ):
-    """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype, or float32 with ACCUMULATE.
+    """Grid: (num_row_tiles * B * Hq,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
+    [1, 1, 64, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, BLOCK_N, D] boxes.
 
-    LSE2, DELTA as for `gluon_dkdv_kernel`.
+    DQ: (B, Hq, Nq, D) in q's dtype, or float32 with ACCUMULATE. LSE2, DELTA as for `gluon_dkdv_kernel`.
     """
     bh, m0 = row_block(num_row_tiles, CAUSAL)
-    b = (bh // heads_q).to(gl.int64)
-    h = (bh % heads_q).to(gl.int64)
+    b = bh // heads_q
+    h = bh % heads_q
     hk = h // group
-    dtype: gl.constexpr = Q.dtype.element_ty
+    dtype: gl.constexpr = q_desc.dtype
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b * q_strides[0] + h * q_strides[1], [len_q, D],
-                                        [q_strides[2], 1], [ROWS, D], row_layout)
-    do_desc = tma.make_tensor_descriptor(DO + b * do_strides[0] + h * do_strides[1], [len_q, D],
-                                         [do_strides[2], 1], [ROWS, D], row_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * k_strides[0] + hk * k_strides[1], [len_k, D],
-                                        [k_strides[2], 1], [BLOCK_N, D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * v_strides[0] + hk * v_strides[1], [len_k, D],
-                                        [v_strides[2], 1], [BLOCK_N, D], kv_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], row_layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], row_layout)
@@ -433,11 +489,11 @@ def gluon_dq_kernel(
     gl.warp_specialize([
         (dq_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
                                 dq_strides, heads_q, num_row_tiles, len_q, len_q_pad, len_k, scale_log2, scale,
-                                CAUSAL, ACCUMULATE)),
+                                CAUSAL, ACCUMULATE, IN_REGISTERS)),
         (dq_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
                                 dq_strides, heads_q, num_row_tiles, len_q, len_q_pad, len_k, scale_log2, scale,
-                                CAUSAL, ACCUMULATE)),
-        (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles)),
+                                CAUSAL, ACCUMULATE, IN_REGISTERS)),
+        (dq_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -449,11 +505,16 @@ MAX_STATS = 2**31 - 1
 def gluon_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, params: AttentionParams,
                             dout: torch.Tensor | None = None) -> list[str]:
     """Every reason `gluon_backward` cannot serve these inputs (empty if it can): those of the
-    Gluon forward (`gluon_supports`), dout's strides, and lse rows beyond 32-bit TMA coordinates."""
+    Gluon forward (`gluon_supports`), dout's strides, batch / head dims broadcast with stride 0,
+    and lse rows beyond 32-bit TMA coordinates."""
     reasons = gluon_supports(q, k, v, mask, params)
     if dout is not None and (dout.shape != q.shape or not tma_compatible(dout)):
         reasons.append(f"dout (shape {tuple(dout.shape)}, strides {dout.stride()}) must have q's shape "
                        "and TMA-compatible strides")
+    broadcast = [name for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)) if x is not None
+                 and any(n > 1 and stride == 0 for n, stride in zip(x.shape[:2], x.stride()[:2]))]
+    if broadcast:
+        reasons.append(f"{', '.join(broadcast)} broadcast (stride 0) over batch or heads: TMA needs real strides")
     rows = q.shape[0] * q.shape[1] * padded_rows(q.shape[2], CONFIGS.get(q.shape[-1], CONFIGS[128]))
     if rows > MAX_STATS:
         reasons.append(f"B * Hq * Nq = {rows} (padded) exceeds {MAX_STATS}")
@@ -475,31 +536,103 @@ def gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_
         return launch(dout, q, k, v, out, lse, params, accumulate_into)
 
 
+@triton.jit
+def row_stats_kernel(O, DO, LSE, LSE2, DELTA, o_strides, do_strides, lse_strides, heads_q, len_q, len_q_pad,
+                     num_row_tiles, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (num_row_tiles * B * Hq,): BLOCK rows of one (b, h) into LSE2, DELTA (B * Hq, len_q_pad)."""
+    bh = tl.program_id(0) // num_row_tiles
+    b = (bh // heads_q).to(tl.int64)
+    h = (bh % heads_q).to(tl.int64)
+    rows = (tl.program_id(0) % num_row_tiles) * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < len_q
+    cols = tl.arange(0, D)
+    r64 = rows.to(tl.int64)[:, None]
+    o = tl.load(O + b * o_strides[0] + h * o_strides[1] + r64 * o_strides[2] + cols[None, :] * o_strides[3],
+                mask=inside[:, None], other=0.0)
+    do = tl.load(DO + b * do_strides[0] + h * do_strides[1] + r64 * do_strides[2] + cols[None, :],
+                 mask=inside[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + b * lse_strides[0] + h * lse_strides[1] + rows.to(tl.int64) * lse_strides[2],
+                  mask=inside, other=float("-inf")).to(tl.float32)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    out = bh.to(tl.int64) * len_q_pad + rows
+    tl.store(LSE2 + out, lse2, mask=rows < len_q_pad)
+    tl.store(DELTA + out, delta, mask=rows < len_q_pad)
+
+
 def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pad: int):
     """(lse2, delta), each (B * Hq, len_q_pad) float32: lse * log2(e) with +inf where lse = -inf
-    (no key) and in the padding; delta = rowsum(out * dout) (`row_deltas`) with 0 in the padding."""
+    (no key) and in the padding; delta = rowsum(out * dout) with 0 in the padding. One launch."""
     batch, heads_q, len_q = lse.shape
-    lse2 = torch.full((batch * heads_q, len_q_pad), float("inf"), dtype=torch.float32, device=lse.device)
-    lse = lse.reshape(batch * heads_q, len_q).to(torch.float32)
-    torch.mul(lse, LOG2E, out=lse2[:, :len_q])
-    lse2[:, :len_q].masked_fill_(lse == float("-inf"), float("inf"))
-    delta = torch.zeros_like(lse2)
-    delta[:, :len_q] = row_deltas(out, dout).view(batch * heads_q, len_q)
+    lse2 = torch.empty(batch * heads_q, len_q_pad, dtype=torch.float32, device=lse.device)
+    delta = torch.empty_like(lse2)
+    block = 64
+    row_tiles = triton.cdiv(len_q_pad, block)
+    row_stats_kernel[grid_of(row_tiles, batch * heads_q)](
+        out, dout, lse, lse2, delta, out.stride(), dout.stride(), lse.stride(), heads_q, len_q, len_q_pad,
+        row_tiles, D=out.shape[-1], BLOCK=block, num_warps=4,
+    )
     return lse2, delta
 
 
-def box_strides(x: torch.Tensor) -> tuple[int, ...]:
-    """x's strides, with the head stride made TMA-valid when there is one head (torch may report
-    any stride for a dimension of size 1; the (group, N, D) descriptor of Q and dO uses it)."""
+GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+
+
+def tma_strides(x: torch.Tensor) -> list[int]:
+    """x's strides, with the stride of each dimension of size 1 made TMA-valid (torch may report
+    any stride there; it is never stepped, but the descriptor checks it)."""
     strides = list(x.stride())
-    if x.shape[1] == 1:
-        strides[1] = x.stride(2) * x.shape[2]
-    return tuple(strides)
+    for i in reversed(range(x.dim() - 1)):
+        if x.shape[i] == 1:
+            strides[i] = strides[i + 1] * x.shape[i + 1]
+    return strides
+
+
+def tile_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Host TMA descriptor over (B, H, N, D) x with [1, 1, rows, D] boxes (zero fill past row N)."""
+    block = [1, 1, rows, x.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, list(x.shape), tma_strides(x), block, layout)
+
+
+def stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Host TMA descriptor over the contiguous float32 rows of `row_stats`, seen as 1-D, [rows] boxes."""
+    layout = gl.NVMMASharedLayout.get_default_for([rows], gl.float32)
+    return TensorDescriptor(stats, [stats.numel()], [1], [rows], layout)
+
+
+def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: GluonBackwardConfig) -> tuple:
+    """Positional arguments of `gluon_dkdv_kernel` before scale_log2, and its grid."""
+    batch, heads_q, len_q, _ = q.shape
+    heads_k, len_k = k.shape[1], k.shape[2]
+    col_tiles = triton.cdiv(len_k, 2 * ROWS.value)
+    args = (tile_descriptor(q, cfg.dkdv_block_m), tile_descriptor(dout, cfg.dkdv_block_m),
+            tile_descriptor(k, ROWS.value), tile_descriptor(v, ROWS.value),
+            stats_descriptor(lse2, cfg.dkdv_block_m), stats_descriptor(delta, cfg.dkdv_block_m),
+            dk, dv, dk.stride(), dv.stride(), heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles)
+    return args, grid_of(col_tiles, batch * heads_k)
+
+
+def dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad: int, cfg: GluonBackwardConfig) -> tuple:
+    """Positional arguments of `gluon_dq_kernel` before scale_log2, and its grid."""
+    batch, heads_q, len_q, _ = q.shape
+    heads_k, len_k = k.shape[1], k.shape[2]
+    row_tiles = triton.cdiv(len_q, 2 * ROWS.value)
+    args = (tile_descriptor(q, ROWS.value), tile_descriptor(k, cfg.dq_block_n), tile_descriptor(v, cfg.dq_block_n),
+            tile_descriptor(dout, ROWS.value), lse2, delta, dq, dq.stride(), heads_q, heads_q // heads_k,
+            len_q, len_q_pad, len_k, row_tiles)
+    return args, grid_of(row_tiles, batch * heads_q)
+
+
+def kernel_options(cfg: GluonBackwardConfig, causal: bool, accumulate: bool) -> dict:
+    """Constexpr arguments (less STAGES) and launch options shared by both kernels."""
+    return {"CAUSAL": causal, "ACCUMULATE": accumulate, "IN_REGISTERS": cfg.in_registers, "num_warps": 4,
+            "maxnreg": MAXNREG}
 
 
 def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into):
     batch, heads_q, len_q, dim = q.shape
-    heads_k, len_k = k.shape[1], k.shape[2]
+    len_k = k.shape[2]
     if 0 in (batch, heads_q, len_q, len_k):
         if accumulate_into is not None:
             return accumulate_into
@@ -508,23 +641,13 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into):
         dq, dk, dv = accumulate_into
     else:
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    ensure_allocator()  # device-side TMA descriptors need scratch memory
     cfg = CONFIGS[dim]
     len_q_pad = padded_rows(len_q, cfg)
     lse2, delta = row_stats(lse, out, dout, len_q_pad)
-    scale_log2 = params.scale * LOG2E
-    causal = params.window == (UNBOUNDED, 0)
-    options = dict(CAUSAL=causal, ACCUMULATE=accumulate_into is not None, num_warps=4, maxnreg=MAXNREG)
-    col_tiles = triton.cdiv(len_k, 2 * ROWS.value)
-    gluon_dkdv_kernel[grid_of(col_tiles, batch * heads_k)](
-        q, k, v, dout, lse2, delta, dk, dv, box_strides(q), k.stride(), v.stride(), box_strides(dout), dk.stride(),
-        dv.stride(), batch * heads_q, heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles,
-        scale_log2, params.scale, D=dim, BLOCK_M=cfg.dkdv_block_m, STAGES=cfg.dkdv_stages, **options,
-    )
-    row_tiles = triton.cdiv(len_q, 2 * ROWS.value)
-    gluon_dq_kernel[grid_of(row_tiles, batch * heads_q)](
-        q, k, v, dout, lse2, delta, dq, q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride(),
-        heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, row_tiles, scale_log2, params.scale,
-        D=dim, BLOCK_N=cfg.dq_block_n, STAGES=cfg.dq_stages, **options,
-    )
+    scalars = (params.scale * LOG2E, params.scale)
+    options = kernel_options(cfg, params.window == (UNBOUNDED, 0), accumulate_into is not None)
+    args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg)
+    gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, **options)
+    args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg)
+    gluon_dq_kernel[grid](*args, *scalars, STAGES=cfg.dq_stages, **options)
     return dq, dk, dv
