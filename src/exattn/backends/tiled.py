@@ -52,6 +52,15 @@ def spans(start: int, stop: int, step: int):
         yield range(lo, min(lo + step, stop))
 
 
+def product_into(buffer: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """alpha * (a @ b) for batched (..., m, k) @ (..., k, n), written into the front of a flat buffer."""
+    shape = (*a.shape[:-1], b.shape[-1])
+    out = buffer[: math.prod(shape)].view(shape)
+    out.view(-1, *shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]),
+                                       beta=0.0, alpha=alpha)
+    return out
+
+
 class TileContext:
     """What every tile of one problem needs: shapes, params, masks, dropout and buffers.
 
@@ -74,6 +83,7 @@ class TileContext:
         tile_elements = self.batch * self.heads_q * self.block_m * self.block_n
         self.buffer = torch.empty(tile_elements, dtype=self.dtype, device=self.device)
         self.summary: BlockSummary | None = None
+        self.spare: torch.Tensor | None = None
 
     def identity_summary(self, shape: tuple[int, ...], value_dim: int) -> BlockSummary:
         """The empty summary for stacked rows of `shape`, in buffers reused by every query tile."""
@@ -100,18 +110,19 @@ class TileContext:
 
         The scale is the GEMM's alpha, so forward and backward round scores alike.
         """
-        shape = (self.batch, self.heads_k, q_tile.shape[2], len(cols))
-        scores = self.buffer[: math.prod(shape)].view(shape)
-        scores.view(-1, *shape[2:]).baddbmm_(
-            q_tile.reshape(-1, *q_tile.shape[2:]), k_tile.reshape(-1, *k_tile.shape[2:]).transpose(-1, -2),
-            beta=0.0, alpha=self.params.scale,
-        )
+        scores = product_into(self.buffer, q_tile, k_tile.transpose(-1, -2), self.params.scale)
         mask_tile = None
         if self.mask is not None:
             mask_tile = self.mask[..., rows.start:rows.stop, cols.start:cols.stop]
         apply_masks(self.unstack(scores, rows), rows, cols, self.len_q, self.len_k,
                     self.params.window, mask_tile)
         return scores
+
+    def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b in a second buffer of a score tile's size, reused by every tile (the backward's dP)."""
+        if self.spare is None:
+            self.spare = torch.empty_like(self.buffer)
+        return product_into(self.spare, a, b)
 
     def dropout_weights(self, rows: range, cols: range) -> torch.Tensor | None:
         """keep / (1 - p) for the tile, stacked (B, Hk, G * rows, cols); None without dropout."""
@@ -147,6 +158,17 @@ def tiled_forward(q, k, v, mask, params: AttentionParams):
     return out, lse
 
 
+def add_matmul_(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """target += a @ b for batched (..., m, k) @ (..., k, n): in place through one batched GEMM
+    when `target` can be viewed as (batch, m, n), through a temporary otherwise."""
+    try:
+        flat = target.view(-1, a.shape[-2], b.shape[-1])
+    except RuntimeError:  # strides that do not flatten (a GQA group's rows, strided accumulators)
+        target += torch.matmul(a, b).view(target.shape)
+        return
+    flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+
+
 def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
     """dq, dk, dv for `tiled_forward`, recomputing score tiles from the saved lse.
 
@@ -174,13 +196,13 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accum
             exp_(probs.sub_(ctx.stack(lse5, rows)))
             weights = ctx.dropout_weights(rows, cols)
             dropped = probs if weights is None else probs * weights
-            dv[:, :, c] += torch.matmul(dropped.transpose(-1, -2), do_tile)
-            dprobs = torch.matmul(do_tile, v_tile.transpose(-1, -2))
+            add_matmul_(dv[:, :, c], dropped.transpose(-1, -2), do_tile)
+            dprobs = ctx.product(do_tile, v_tile.transpose(-1, -2))
             if weights is not None:
                 dprobs.mul_(weights)
             dscores = probs.mul_(dprobs.sub_(ctx.stack(delta5, rows))).mul_(params.scale)
-            dq5[..., rows.start:rows.stop, :] += ctx.unstack(torch.matmul(dscores, k_tile), rows)
-            dk[:, :, c] += torch.matmul(dscores.transpose(-1, -2), q_tile)
+            add_matmul_(dq5[..., rows.start:rows.stop, :], dscores, k_tile)
+            add_matmul_(dk[:, :, c], dscores.transpose(-1, -2), q_tile)
     if accumulate_into is not None:
         return accumulate_into
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
