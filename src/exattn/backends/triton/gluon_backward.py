@@ -68,6 +68,7 @@ from .gluon_forward import (
     key_tiles,
     release,
     wait_ready,
+    wgmma_layout,
 )
 from .passes import LOG2E, grid_of, on_device
 
@@ -248,10 +249,8 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     kv_bar = bars[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     n0 = (gl.program_id(0) % num_col_tiles) * (2 * ROWS)
     lo, full, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
@@ -400,10 +399,8 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
     q_bar = bars[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     bh, m0 = row_block(num_row_tiles, CAUSAL)
     heads = bh % heads_q

@@ -83,6 +83,12 @@ CONFIGS = {64: GluonConfig(128, 2, consumers=3), 128: GluonConfig(128, 2)}
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
+@gluon.constexpr_function
+def wgmma_layout(n):
+    """Register layout of a [64, n] wgmma accumulator of one 4-warp warpgroup."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def key_tiles(m0, len_q, len_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr = 128):
     """(hi, full): rows [m0, m0 + BLOCK_M) see key tiles [0, hi); tiles [0, full) need no mask.
@@ -217,10 +223,8 @@ def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, 
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     DV: gl.constexpr = v_smem.shape[2]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(DV)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
