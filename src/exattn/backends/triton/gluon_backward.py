@@ -85,7 +85,9 @@ class GluonBackwardConfig(NamedTuple):
     in_registers: bool = False
 
 
-CONFIGS = {64: GluonBackwardConfig(64, 4, 64, 4), 128: GluonBackwardConfig(64, 4, 64, 4)}
+# d = 64: 128-key dQ steps with register operands, 1.06-1.17x the 64x4/64x4 shared-memory tiles and the
+# Triton backward from 4k (benchmarks/results/gluon-backward-h200-d64-in-registers.json).
+CONFIGS = {64: GluonBackwardConfig(64, 4, 128, 2, in_registers=True), 128: GluonBackwardConfig(64, 4, 64, 4)}
 
 
 # ---------------------------------------------------------------- shared pieces
