@@ -4,7 +4,8 @@ FlashAttention's convention, as benchmarks/prefill.py: batch * seqlen = 16k
 tokens, hidden 2048 (heads = 2048 / head_dim), bf16; seqlen 4k, 8k, 16k; head
 dim 64 and 128; causal off/on. FLOPs = 2.5 * 4*B*H*N^2*D, halved for causal;
 `triton.testing.do_bench` median. In the same run: "gluon" (the raw pass
-`gluon_backward.gluon_backward`, delta preprocess included), "exattn-triton"
+`gluon_backward.gluon_backward`, delta preprocess included), "gluon-atomic" (the same with
+`atomic_dq=True`: dQ added by TMA reductions from the dK/dV kernel, d = 128), "exattn-triton"
 (the raw pass `passes.triton_backward`), and the autograd backward of SDPA's
 cuDNN and flash backends and of compiled FlexAttention (as prefill.py times
 them). `--variants` adds Gluon rows with other tiles for one head dim:
@@ -29,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gluon_forward import parse_benchmark_args, run_benchmark  # noqa: E402
 from prefill import attention_function, make_inputs  # noqa: E402
 
-RAW = ("gluon", "exattn-triton")
+RAW = ("gluon", "gluon-atomic", "exattn-triton")
 
 
 def parse_args(argv=None):
@@ -62,9 +63,13 @@ def raw_backward(impl: str, cell):
         if dim != cell["head_dim"]:
             return None
         gb.CONFIGS[dim] = cfg
+    if impl == "gluon-atomic" and cell["head_dim"] not in gb.ATOMIC_CONFIGS:
+        return None
     q, k, v = (x.detach() for x in make_inputs(cell))
     dout = torch.randn_like(q)
     out, lse = triton_forward(q, k, v, None, params)
+    if impl == "gluon-atomic":
+        return lambda: gb.gluon_backward(dout, q, k, v, out, lse, params, atomic_dq=True)
     if impl.startswith("gluon"):
         return lambda: gb.gluon_backward(dout, q, k, v, out, lse, params)
     return lambda: triton_backward(dout, q, k, v, None, out, lse, params)

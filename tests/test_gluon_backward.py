@@ -185,6 +185,13 @@ def test_supports_names_every_reason(monkeypatch):
         assert words in reasons, (words, reasons)
 
 
+def test_supports_names_head_dims_without_atomic_dq(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = cpu_inputs(torch.bfloat16, dim=64, heads=(4, 2))
+    reasons = " | ".join(gb.gluon_backward_supports(q, k, v, None, AttentionParams(scale=0.1), atomic_dq=True))
+    assert "atomic_dq: D=64" in reasons and "(128,)" in reasons, reasons
+
+
 def test_supports_refuses_broadcast_batch_or_heads(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, v = cpu_inputs(torch.bfloat16, dim=64, heads=(4, 1))
@@ -260,11 +267,11 @@ def oracle_grads(q, k, v, dout, causal, backend=None):
     return torch.autograd.grad(out, inputs, dout)
 
 
-def check(q, k, v, dout, causal):
+def check(q, k, v, dout, causal, atomic_dq=False):
     params = params_for(q.shape[-1], causal)
-    assert gb.gluon_backward_supports(q, k, v, None, params, dout) == []
+    assert gb.gluon_backward_supports(q, k, v, None, params, dout, atomic_dq) == []
     out, lse = saved_forward(q, k, v, params)
-    grads = gb.gluon_backward(dout, q, k, v, out, lse, params)
+    grads = gb.gluon_backward(dout, q, k, v, out, lse, params, atomic_dq=atomic_dq)
     for g, x in zip(grads, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape
     naive = oracle_grads(q, k, v, dout, causal, "naive")
@@ -343,17 +350,31 @@ def test_reruns_are_bitwise_equal(d, causal):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
-def test_accumulate_into_adds_to_strided_float32(causal, d):
+@pytest.mark.parametrize("shape", [*SHAPES, (2, 4, 2, 333, 515), (1, 4, 1, 2048, 4100)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_atomic_dq_matches_oracle(dtype, causal, shape):
+    torch.manual_seed(hash((causal,) + shape) % 2**31)
+    check(*gpu_inputs(*shape, 128, dtype, layout="bnhd", with_dout=True), causal, atomic_dq=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,atomic_dq", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("dq_layout", ["bnhd", "bhnd"])
+def test_accumulate_into_adds_to_strided_float32(causal, d, atomic_dq, dq_layout):
     torch.manual_seed(7)
     q, k, v, dout = gpu_inputs(2, 4, 2, 333, 270, d, torch.bfloat16, with_dout=True)
     params = params_for(d, causal)
     out, lse = saved_forward(q, k, v, params)
     start = [torch.randn(x.shape[0], x.shape[2], x.shape[1], d, device="cuda").transpose(1, 2)
              for x in (q, k, v)]  # float32 views with (B, N, H, D) memory order
+    if dq_layout == "bhnd":  # atomic_dq: reduced into in place (TMA-compatible) rather than added after
+        start[0] = torch.randn(q.shape, device="cuda")
     acc = [x.clone() for x in start]
-    returned = gb.gluon_backward(dout, q, k, v, out, lse, params, accumulate_into=tuple(acc))
+    returned = gb.gluon_backward(dout, q, k, v, out, lse, params, accumulate_into=tuple(acc), atomic_dq=atomic_dq)
     assert all(r is a for r, a in zip(returned, acc))
     naive = oracle_grads(q, k, v, dout, causal, "naive")
     ref = oracle_grads(q, k, v, dout, causal)

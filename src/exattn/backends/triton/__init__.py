@@ -110,19 +110,19 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     """Raw backward pass: dq, dk, dv for `triton_forward`, or added into `accumulate_into`.
 
     On Hopper at the head dims and lengths of GLUON_BACKWARD_MIN_LEN the Gluon kernels
-    (`gluon_backward.py`, deterministic) serve what they can, unless the atomic dQ
-    variant is asked for; everything else runs the Triton kernels.
+    (`gluon_backward.py`, deterministic; with `settings.atomic_dq` their atomic dQ variant
+    where it exists) serve what they can; everything else runs the Triton kernels.
     """
     from .passes import settings
     from .passes import triton_backward as run
 
-    if (settings.use_gluon and not settings.atomic_dq and q.is_cuda
-            and gluon_length_ok(GLUON_BACKWARD_MIN_LEN, q.shape[-1], q.shape[2])
+    if (settings.use_gluon and q.is_cuda and gluon_length_ok(GLUON_BACKWARD_MIN_LEN, q.shape[-1], q.shape[2])
             and gluon_written_for_this_triton()):
         from . import gluon_backward as gb
 
-        if not gb.gluon_backward_supports(q, k, v, mask, params, dout):
-            return gb.gluon_backward(dout, q, k, v, out, lse, params, accumulate_into)
+        atomic = settings.atomic_dq
+        if not gb.gluon_backward_supports(q, k, v, mask, params, dout, atomic):
+            return gb.gluon_backward(dout, q, k, v, out, lse, params, accumulate_into, atomic)
     return run(dout, q, k, v, mask, out, lse, params, accumulate_into)
 
 

@@ -49,7 +49,10 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -88,9 +91,19 @@ class GluonBackwardConfig(NamedTuple):
 # d = 64: 128-key dQ steps with register operands, 1.06-1.17x the 64x4/64x4 shared-memory tiles and the
 # Triton backward from 4k (benchmarks/results/gluon-backward-h200-d64-in-registers.json).
 CONFIGS = {64: GluonBackwardConfig(64, 4, 128, 2, in_registers=True), 128: GluonBackwardConfig(64, 4, 64, 4)}
+# atomic_dq (dQ added by TMA reductions from the dK/dV kernel): the dS and float32 dQ tiles
+# take the shared memory of two ring slots.
+ATOMIC_CONFIGS = {128: GluonBackwardConfig(64, 2, 0, 0)}
 
 
 # ---------------------------------------------------------------- shared pieces
+
+
+@builtin
+def async_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA: add the shared-memory tile src into tensor_desc's box at coord (cp.reduce.async.bulk)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -174,11 +187,49 @@ def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
 
 
 @gluon.jit
+def share_ds(ds, ds_smem, ds_ready, j, HALF: gl.constexpr):
+    """This warpgroup's dS^T rows of step j into the step's buffer (two, alternating), then signal them."""
+    ds_smem.index((j % 2) * 2 + HALF).store(ds)
+    fence_async_shared()
+    gl.thread_barrier()
+    release(ds_ready, j, 2)
+
+
+@gluon.jit
+def issue_dq(ds_smem, ds_ready, k_smem, j, HALF: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Once both warpgroups shared step j's dS^T: this warpgroup's columns of dS K over all 128 keys
+    (two async wgmmas; returns their token)."""
+    COLS: gl.constexpr = k_smem.shape[2] // 2
+    wait_ready(ds_ready, j, 2)
+    buffer = (j % 2) * 2
+    tok = warpgroup_mma(ds_smem.index(buffer).permute((1, 0)), k_smem.index(0).slice(HALF * COLS, COLS, dim=1),
+                        gl.zeros([BLOCK_M, COLS], gl.float32, wgmma_layout(COLS)), use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.index(buffer + 1).permute((1, 0)), k_smem.index(1).slice(HALF * COLS, COLS, dim=1),
+                         tok, is_async=True)
+
+
+@gluon.jit
+def reduce_dq(dq, dq_smem, dq_desc, b, head, row, HALF: gl.constexpr):
+    """Add this warpgroup's [BLOCK_M, D/2] dQ tile into the float32 dQ with a TMA reduction, once the
+    previous one has read the staging tile."""
+    staging = dq_smem.index(HALF)
+    tma.store_wait(0)
+    gl.thread_barrier()
+    staging.store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    async_reduce_add(dq_desc, [b, head, row, HALF * dq.shape[1]], as_box(staging, dq_desc))
+
+
+@gluon.jit
 def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, first, t, j, full, len_q, len_k,
               scale_log2, s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr,
-              IN_REGISTERS: gl.constexpr):
+              IN_REGISTERS: gl.constexpr, dq_parts, dq_target, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr):
     """One query tile t (ring slot of step j) into keys [first, first + 64) of (dk, dv); tiles t < full
     are masked (causal diagonal). Returns (dk, dv, k, v).
+
+    ATOMIC_DQ: also add this step's scale * dS K into the float32 dQ at dq_target = (b, head, row);
+    dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale) (`gluon_dkdv_kernel`).
 
     k, v: this warpgroup's keys, as shared-memory tiles or (IN_REGISTERS) as register operands. Register
     operands pass through the waits of their wgmmas and come back for the next step: held only as
@@ -216,12 +267,20 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, first, 
     else:
         dp = warpgroup_mma_wait(0, deps=(dp_tok,))
     ds = p * (dp - gl.expand_dims(delta, 0))
+    if ATOMIC_DQ:
+        share_ds(ds.to(q.dtype), dq_parts[0], dq_parts[1], j, HALF)
     p_op = gl.convert_layout(p.to(q.dtype), op_layout)
     ds_op = gl.convert_layout(ds.to(q.dtype), op_layout)
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
     dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-    release(empty, j, STAGES)
+    if ATOMIC_DQ:
+        dq_tok = issue_dq(dq_parts[0], dq_parts[1], dq_parts[2], j, HALF, BLOCK_M)
+        dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, dv_tok, dk_tok, p_op, ds_op))
+        release(empty, j, STAGES)
+        reduce_dq(dq * dq_parts[5], dq_parts[3], dq_parts[4], dq_target[0], dq_target[1], dq_target[2], HALF)
+    else:
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        release(empty, j, STAGES)
     return dk, dv, k, v
 
 
@@ -246,8 +305,9 @@ def program_id_again():
 def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars,
                            DK, DV, dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
                            scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
-                           IN_REGISTERS: gl.constexpr):
-    """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV."""
+                           IN_REGISTERS: gl.constexpr, dq_parts, ATOMIC_DQ: gl.constexpr):
+    """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV (and with
+    ATOMIC_DQ adds their share of dQ, see `dkdv_step`)."""
     kv_bar = bars[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
@@ -263,10 +323,15 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     mbarrier.wait(kv_bar, 0)
     k = resident_operand(k_smem.index(half), s_layout, IN_REGISTERS)
     v = resident_operand(v_smem.index(half), s_layout, IN_REGISTERS)
+    bhk = gl.program_id(0) // num_col_tiles
     for j in range(group * tiles):
+        t = lo + j % tiles
+        dq_target = (bhk // (heads_q // group), bhk % (heads_q // group) * group + j // tiles, t * BLOCK_M)
         dk, dv, k, v = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, first,
-                                 lo + j % tiles, j, full, len_q, len_k, scale_log2, s_layout, op_layout, CAUSAL,
-                                 IN_REGISTERS)
+                                 t, j, full, len_q, len_k, scale_log2, s_layout, op_layout, CAUSAL,
+                                 IN_REGISTERS, dq_parts, dq_target, half, ATOMIC_DQ)
+    if ATOMIC_DQ:
+        tma.store_wait(0)
     pid = program_id_again()
     first = (pid % num_col_tiles) * (2 * ROWS) + half * ROWS
     heads_k = heads_q // group
@@ -282,11 +347,12 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
 @gluon.jit
 def gluon_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides,
-    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, scale_log2, scale,
+    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, dq_desc, scale_log2, scale,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
 ):
     """Grid: (num_col_tiles * B * Hk,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
-    [1, 1, BLOCK_M, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, 64, D] boxes.
+    [1, 1, BLOCK_M, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, 64, D] boxes; dq_desc: None, or
+    (atomic_dq) a float32 (B, Hq, Nq, D) the kernel adds scale * dS K into, [1, 1, BLOCK_M, D/2] boxes.
 
     DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE; strides (batch,
     head, row, col). lse_desc, delta_desc (`stats_descriptor`): contiguous (B * Hq, len_q_pad) float32
@@ -315,6 +381,17 @@ def gluon_dkdv_kernel(
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     bars = (kv_bar, q_ready, do_ready, empty)
+    ATOMIC_DQ: gl.constexpr = dq_desc is not None
+    dq_parts = 0
+    if ATOMIC_DQ:  # dS^T halves (2 steps x 2 warpgroups), float32 dQ staging per warpgroup
+        ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D // 2],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, D // 2], gl.float32))
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(ds_ready.index(0), count=2)
+        mbarrier.init(ds_ready.index(1), count=2)
+        dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale)
 
     # Arguments written out in each tuple: a tuple bound to a name would turn the constexprs
     # into run-time values inside the partitions. Each partition derives its tiles from the
@@ -322,10 +399,10 @@ def gluon_dkdv_kernel(
     gl.warp_specialize([
         (dkdv_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
-                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS)),
+                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ)),
         (dkdv_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
-                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS)),
+                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, len_q, len_q_pad, len_k,
                                group, CAUSAL)),
@@ -502,11 +579,13 @@ MAX_STATS = 2**31 - 1
 
 
 def gluon_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, params: AttentionParams,
-                            dout: torch.Tensor | None = None) -> list[str]:
+                            dout: torch.Tensor | None = None, atomic_dq: bool = False) -> list[str]:
     """Every reason `gluon_backward` cannot serve these inputs (empty if it can): those of the
     Gluon forward (`gluon_supports`), dout's strides, batch / head dims broadcast with stride 0,
-    and lse rows beyond 32-bit TMA coordinates."""
+    lse rows beyond 32-bit TMA coordinates, and (atomic_dq) a head dim without that variant."""
     reasons = gluon_supports(q, k, v, mask, params)
+    if atomic_dq and q.shape[-1] not in ATOMIC_CONFIGS:
+        reasons.append(f"atomic_dq: D={q.shape[-1]}, the variant exists for D in {tuple(ATOMIC_CONFIGS)}")
     if dout is not None and (dout.shape != q.shape or not tma_compatible(dout)):
         reasons.append(f"dout (shape {tuple(dout.shape)}, strides {dout.stride()}) must have q's shape "
                        "and TMA-compatible strides")
@@ -524,15 +603,16 @@ def padded_rows(len_q: int, cfg: GluonBackwardConfig) -> int:
     return triton.cdiv(len_q, cfg.dkdv_block_m) * cfg.dkdv_block_m
 
 
-def gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into=None):
+def gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into=None, atomic_dq=False):
     """dq, dk, dv (in q, k, v's dtypes) for attention(q, k, v) with saved out and lse (B, Hq, Nq),
-    natural log; with `accumulate_into` (float32 dq, dk, dv, any strides) added into those and returned."""
-    reasons = gluon_backward_supports(q, k, v, None, params, dout)
+    natural log; with `accumulate_into` (float32 dq, dk, dv, any strides) added into those and returned.
+    atomic_dq: the dK/dV kernel adds dQ with TMA reductions (no dQ kernel; not bitwise reproducible)."""
+    reasons = gluon_backward_supports(q, k, v, None, params, dout, atomic_dq)
     if reasons:
         raise ValueError("gluon_backward cannot serve these inputs: " + "; ".join(reasons))
     accumulate_into = check_accumulators(accumulate_into, q, k, v)
     with on_device(q):
-        return launch(dout, q, k, v, out, lse, params, accumulate_into)
+        return launch(dout, q, k, v, out, lse, params, accumulate_into, atomic_dq)
 
 
 @triton.jit
@@ -587,9 +667,9 @@ def tma_strides(x: torch.Tensor) -> list[int]:
     return strides
 
 
-def tile_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Host TMA descriptor over (B, H, N, D) x with [1, 1, rows, D] boxes (zero fill past row N)."""
-    block = [1, 1, rows, x.shape[-1]]
+def tile_descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
+    """Host TMA descriptor over (B, H, N, D) x with [1, 1, rows, cols or D] boxes (zero fill past row N)."""
+    block = [1, 1, rows, cols or x.shape[-1]]
     layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype])
     return TensorDescriptor(x, list(x.shape), tma_strides(x), block, layout)
 
@@ -600,15 +680,19 @@ def stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(stats, [stats.numel()], [1], [rows], layout)
 
 
-def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: GluonBackwardConfig) -> tuple:
-    """Positional arguments of `gluon_dkdv_kernel` before scale_log2, and its grid."""
-    batch, heads_q, len_q, _ = q.shape
+def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: GluonBackwardConfig,
+                   dq_sum: torch.Tensor | None = None) -> tuple:
+    """Positional arguments of `gluon_dkdv_kernel` before scale_log2, and its grid; dq_sum: the
+    float32 dQ the kernel adds into (atomic_dq), or None."""
+    batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
     col_tiles = triton.cdiv(len_k, 2 * ROWS.value)
+    dq_desc = None if dq_sum is None else tile_descriptor(dq_sum, cfg.dkdv_block_m, dim // 2)
     args = (tile_descriptor(q, cfg.dkdv_block_m), tile_descriptor(dout, cfg.dkdv_block_m),
             tile_descriptor(k, ROWS.value), tile_descriptor(v, ROWS.value),
             stats_descriptor(lse2, cfg.dkdv_block_m), stats_descriptor(delta, cfg.dkdv_block_m),
-            dk, dv, dk.stride(), dv.stride(), heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles)
+            dk, dv, dk.stride(), dv.stride(), heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles,
+            dq_desc)
     return args, grid_of(col_tiles, batch * heads_k)
 
 
@@ -629,7 +713,7 @@ def kernel_options(cfg: GluonBackwardConfig, causal: bool, accumulate: bool) -> 
             "maxnreg": MAXNREG}
 
 
-def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into):
+def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, atomic_dq: bool):
     batch, heads_q, len_q, dim = q.shape
     len_k = k.shape[2]
     if 0 in (batch, heads_q, len_q, len_k):
@@ -640,13 +724,20 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into):
         dq, dk, dv = accumulate_into
     else:
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    cfg = CONFIGS[dim]
+    cfg = (ATOMIC_CONFIGS if atomic_dq else CONFIGS)[dim]
     len_q_pad = padded_rows(len_q, cfg)
     lse2, delta = row_stats(lse, out, dout, len_q_pad)
     scalars = (params.scale * LOG2E, params.scale)
     options = kernel_options(cfg, params.window == (UNBOUNDED, 0), accumulate_into is not None)
-    args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg)
+    dq_sum = None
+    if atomic_dq:
+        adds_in_place = accumulate_into is not None and tma_compatible(dq)
+        dq_sum = dq if adds_in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, dq_sum)
     gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, **options)
-    args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg)
-    gluon_dq_kernel[grid](*args, *scalars, STAGES=cfg.dq_stages, **options)
+    if not atomic_dq:
+        args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg)
+        gluon_dq_kernel[grid](*args, *scalars, STAGES=cfg.dq_stages, **options)
+    elif dq_sum is not dq:
+        dq.add_(dq_sum) if accumulate_into is not None else dq.copy_(dq_sum)
     return dq, dk, dv
