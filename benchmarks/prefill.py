@@ -4,8 +4,11 @@ batch * seqlen = 16k tokens, hidden 2048 (heads = 2048 / head_dim); seqlen
 1k..16k, head dim 64 and 128, causal off/on, bf16 and fp16. Forward and
 backward TFLOP/s with FLOPs = 4*B*H*N^2*D (halved for causal, x2.5 backward),
 timed with `triton.testing.do_bench` (median). Implementations, in the same
-run: exattn "triton", SDPA's cuDNN, flash and efficient backends, and
-FlexAttention under torch.compile. A failing implementation gives a row of
+run: exattn "triton" (deterministic, the default), SDPA's cuDNN, flash and
+efficient backends, and FlexAttention under torch.compile; with
+`--impls ...,exattn-triton-atomic` also exattn "triton" with
+`settings.atomic_dq` (dQ by atomics: the variant the FlashAttention, cuDNN and
+Flex backwards are). A failing implementation gives a row of
 nulls with the error. Compilation (exattn kernels, FlexAttention graphs) is
 first warmed in parallel worker processes sharing the on-disk caches.
 
@@ -18,6 +21,7 @@ is slow); cells left out are rows with "skipped" as the error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import sys
@@ -88,22 +92,34 @@ def flex_function(cell):
 
 def attention_function(impl, cell):
     """(fn(q, k, v) -> out, context manager factory) for one implementation."""
-    import contextlib
-
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import exattn
 
     causal = cell["causal"]
-    if impl == "exattn-triton":
-        return (lambda q, k, v: exattn.attention(q, k, v, causal=causal, backend="triton")), contextlib.nullcontext
+    if impl.startswith("exattn-triton"):
+        atomic = impl == "exattn-triton-atomic"
+        return (lambda q, k, v: exattn.attention(q, k, v, causal=causal, backend="triton")), (
+            lambda: atomic_dq_setting(atomic))
     if impl == "flex":
         return flex_function(cell), contextlib.nullcontext
     backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
                "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[impl]
     return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), (
         lambda: sdpa_kernel([backend]))
+
+
+@contextlib.contextmanager
+def atomic_dq_setting(on: bool):
+    from exattn.backends.triton import settings
+
+    saved = settings.atomic_dq
+    settings.atomic_dq = on
+    try:
+        yield
+    finally:
+        settings.atomic_dq = saved
 
 
 def make_inputs(cell):
@@ -188,9 +204,10 @@ def row_for(impl, cell, args):
 def doc_table(rows) -> str:
     """The docs/performance.md table: one line per cell, forward and backward side by side."""
     index = {(r["impl"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]): r for r in rows}
+    atomic = any(r["impl"] == "exattn-triton-atomic" for r in rows)
     lines = ["| dtype | d | causal | N | exattn fwd | cuDNN fwd | × cuDNN | × Flex | × FA2 "
-             "| exattn bwd | cuDNN bwd | × cuDNN | × Flex | × FA2 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| exattn bwd | cuDNN bwd | × cuDNN | × Flex | × FA2 |" + (" atomic dQ bwd | × cuDNN |" if atomic else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if atomic else "")]
 
     def ratio(a, b):
         return "–" if a is None or b is None else f"{a / b:.2f}"
@@ -206,6 +223,10 @@ def doc_table(rows) -> str:
             x = ours[col]
             cols += ["–" if x is None else f"{x:.0f}", "–" if cudnn is None else f"{cudnn:.0f}",
                      ratio(x, cudnn), ratio(x, flex), ratio(x, fa2)]
+        if atomic:
+            x = index.get(("exattn-triton-atomic",) + key[1:], {}).get("bwd_tflops")
+            cudnn = index.get(("sdpa-cudnn",) + key[1:], {}).get("bwd_tflops")
+            cols += ["–" if x is None else f"{x:.0f}", ratio(x, cudnn)]
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
@@ -218,7 +239,7 @@ def main(argv=None):
     impls = args.impls.split(",")
     all_cells = list(cells(args))
     jobs = [(impl, cell) for cell in all_cells for impl in impls
-            if impl == "exattn-triton" or (impl == "flex" and cell["dtype"] in args.flex_dtypes.split(","))]
+            if impl.startswith("exattn-triton") or (impl == "flex" and cell["dtype"] in args.flex_dtypes.split(","))]
     prewarm(jobs, args.workers)
     meta = versions()
     print(json.dumps(meta), flush=True)

@@ -399,15 +399,21 @@ def test_backward_refuses_bad_dout_strides():
 @needs_cuda
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_triton_backend_dispatches_backward_to_gluon(causal, d, monkeypatch):
+@pytest.mark.parametrize("atomic_dq", [False, True])
+def test_triton_backend_dispatches_backward_to_gluon(causal, d, atomic_dq, monkeypatch):
     from exattn.backends import triton as backend
     from exattn.backends.triton import settings
 
     if d in backend.GLUON_BACKWARD_MIN_LEN:
         monkeypatch.setitem(backend.GLUON_BACKWARD_MIN_LEN, d, 333)  # this test's query length
+    monkeypatch.setattr(settings, "atomic_dq", atomic_dq)
     calls = []
     real = gb.gluon_backward
-    monkeypatch.setattr(gb, "gluon_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def spy(*args):
+        calls.append(args[8])  # atomic_dq as the dispatch passed it
+        return real(*args)
+    monkeypatch.setattr(gb, "gluon_backward", spy)
     torch.manual_seed(8)
     q, k, v, dout = (x.requires_grad_() for x in gpu_inputs(2, 4, 2, 333, 515, d, torch.bfloat16, with_dout=True))
     dout = dout.detach()
@@ -415,6 +421,7 @@ def test_triton_backend_dispatches_backward_to_gluon(causal, d, monkeypatch):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     expected = int(d in backend.GLUON_BACKWARD_HEAD_DIMS)
     assert len(calls) == expected
+    assert calls == [atomic_dq and d in gb.ATOMIC_CONFIGS] * expected
     naive = oracle_grads(q, k, v, dout, causal, "naive")
     ref = oracle_grads(q, k, v, dout, causal)
     for name, ours, base, r in zip(("dq", "dk", "dv"), grads, naive, ref):

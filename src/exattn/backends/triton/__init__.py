@@ -120,7 +120,7 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
             and gluon_written_for_this_triton()):
         from . import gluon_backward as gb
 
-        atomic = settings.atomic_dq
+        atomic = settings.atomic_dq and q.shape[-1] in gb.ATOMIC_CONFIGS
         if not gb.gluon_backward_supports(q, k, v, mask, params, dout, atomic):
             return gb.gluon_backward(dout, q, k, v, out, lse, params, accumulate_into, atomic)
     return run(dout, q, k, v, mask, out, lse, params, accumulate_into)

@@ -266,14 +266,13 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, first, 
         dp, v = warpgroup_mma_wait(0, deps=(dp_tok, v))
     else:
         dp = warpgroup_mma_wait(0, deps=(dp_tok,))
-    ds = p * (dp - gl.expand_dims(delta, 0))
-    if ATOMIC_DQ:
-        share_ds(ds.to(q.dtype), dq_parts[0], dq_parts[1], j, HALF)
+    ds = (p * (dp - gl.expand_dims(delta, 0))).to(q.dtype)
     p_op = gl.convert_layout(p.to(q.dtype), op_layout)
-    ds_op = gl.convert_layout(ds.to(q.dtype), op_layout)
+    ds_op = gl.convert_layout(ds, op_layout)
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
     dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-    if ATOMIC_DQ:
+    if ATOMIC_DQ:  # dS^T goes to shared memory while dV and dK are on the tensor cores
+        share_ds(ds, dq_parts[0], dq_parts[1], j, HALF)
         dq_tok = issue_dq(dq_parts[0], dq_parts[1], dq_parts[2], j, HALF, BLOCK_M)
         dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, dv_tok, dk_tok, p_op, ds_op))
         release(empty, j, STAGES)

@@ -31,14 +31,18 @@ MAX_GRID = 2**31 - 1
 class TritonSettings:
     """Non-default knobs of the Triton backend (module-level, see `settings`).
 
-    atomic_dq: the dK/dV kernel also accumulates dQ with float32 atomics and
+    atomic_dq: the dK/dV kernel also accumulates dQ in float32 by atomics and
         the dQ kernel is skipped: 5 matmuls per tile instead of 7, but gradients
-        are no longer bitwise reproducible, and on the H200 it measured slower
-        (docs/triton.md). Env: EXATTN_TRITON_ATOMIC_DQ=1.
+        are no longer bitwise reproducible. Where the Gluon backward serves head
+        dim 128 it adds dQ tiles by TMA reductions (faster on the H200); the
+        Gluon backward at other head dims stays deterministic; the Triton kernels
+        use element atomics (slower on the H200, docs/triton.md).
+        Env: EXATTN_TRITON_ATOMIC_DQ=1.
     use_tma: load tiles through TMA tensor descriptors where the strides allow
         (Hopper and newer, and the interpreter). Env: EXATTN_TRITON_TMA=0 turns it off.
-    use_gluon: on sm_90 at head dim 128, run the forward through the Gluon kernel
-        (warp-specialized, GEMM-softmax overlap) where it serves the inputs.
+    use_gluon: on sm_90 run the forward and backward through the Gluon kernels
+        (warp-specialized) at the head dims and lengths of GLUON_FORWARD_MIN_LEN and
+        GLUON_BACKWARD_MIN_LEN, where they serve the inputs.
         Env: EXATTN_TRITON_GLUON=0 turns it off.
     """
 
