@@ -18,6 +18,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
 
 import exattn
 from exattn.backends.triton import GLUON_HEAD_DIMS
@@ -31,25 +32,25 @@ TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def compile_for_sm90(dim: int, causal: bool, dtype: torch.dtype):
-    """The kernel as `gluon_forward` launches it for contiguous inputs, compiled for sm_90a."""
+    """The kernel as `gluon_forward` launches it (arguments from `forward_arguments`, host TMA
+    descriptors over CPU tensors), compiled for sm_90a."""
+    q, k, v = (torch.empty(2, heads, 300, dim, dtype=dtype) for heads in (4, 2, 2))
+    args, _ = gf.forward_arguments(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), 0.5)
     constants = gf.kernel_constants(dim, causal)
     options = {name: constants.pop(name) for name in ("num_warps", "maxnreg")}
-    signature, constexprs = {}, dict(constants)
-    for i, name in enumerate(gf.gluon_forward_kernel.arg_names):
+    signature = {}
+    for name, arg in zip(gf.gluon_forward_kernel.arg_names, [*args, *constants.values()], strict=True):
         if name in constants:
             signature[name] = "constexpr"
-        elif name in ("Q", "K", "V", "O"):
-            signature[name] = "*" + TYPE_NAMES[dtype]
-        elif name == "LSE":
+        elif isinstance(arg, torch.Tensor):
             signature[name] = "*fp32"
-        elif name.endswith("strides"):
-            signature[name] = ("i64", "i64", "i32", "constexpr")
-            constexprs[(i, 3)] = 1
-        elif name == "scale_log2":
+        elif isinstance(arg, float):
             signature[name] = "fp32"
-        else:
+        elif isinstance(arg, int):
             signature[name] = "i32"
-    source = GluonASTSource(gf.gluon_forward_kernel, signature=signature, constexprs=constexprs)
+        else:
+            signature[name] = mangle_type(arg)
+    source = GluonASTSource(gf.gluon_forward_kernel, signature=signature, constexprs=dict(constants))
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -81,7 +82,8 @@ def test_compiles_for_sm90_without_spills(dim, causal, dtype, changes, tmp_path,
     ptx = kernel.asm["ptx"]
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no warp specialization"
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, "P V no longer overlaps the softmax"
-    assert "cp.async.bulk.tensor.2d" in ptx, "no TMA loads"
+    assert "cp.async.bulk.tensor.4d" in ptx, "no TMA loads of 4-D boxes"
+    assert "tensormap.replace" not in ptx, "descriptors are made on the host, not per program"
     ttgir = kernel.asm["ttgir"]
     assert ttgir.count("ttg.warp_specialize(") == 1
     assert not re.search(r"%arg\d+: i1 ", ttgir), "a constexpr reached the partitions as a run-time flag"

@@ -47,9 +47,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -67,9 +67,15 @@ from .gluon_forward import (
     MAXNREG,
     PRODUCER_REGS,
     ROWS,
+    as_box,
+    broadcast_reasons,
     gluon_supports,
     key_tiles,
+    load_partition,
+    program_id_again,
     release,
+    row_block,
+    tile_descriptor,
     wait_ready,
     wgmma_layout,
 )
@@ -140,12 +146,6 @@ def query_tiles(n0, len_q, len_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
         last_key = n0 + 2 * ROWS - 1
         full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(last_key - offset, 0), BLOCK_M), lo), hi)
     return lo, full, hi
-
-
-@gluon.jit
-def as_box(smem, desc):
-    """A [rows, D] slot seen as the [1, 1, rows, D] box of a (B, H, N, D) descriptor."""
-    return smem._reinterpret(smem.dtype, desc.block_type.shape, desc.layout)
 
 
 @gluon.jit
@@ -224,7 +224,8 @@ def reduce_dq(dq, dq_smem, dq_desc, b, head, row, HALF: gl.constexpr):
 
 @gluon.jit
 def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagonal, t, j, full, scale_log2,
-              s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr, IN_REGISTERS: gl.constexpr, dq_parts, dq_target, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+              s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr, IN_REGISTERS: gl.constexpr,
+              dq_parts, dq_target, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr):
     """One query tile t (ring slot of step j) into keys [first, first + 64) of (dk, dv); tiles t < full
     are masked (causal diagonal = first - (Nk - Nq)). Returns (dk, dv, k, v).
 
@@ -291,13 +292,6 @@ def resident_operand(smem, acc_layout: gl.constexpr, IN_REGISTERS: gl.constexpr)
         return smem.load(gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
     else:
         return smem
-
-
-@gluon.jit
-def program_id_again():
-    """gl.program_id(0), read anew: values derived from it after a long loop are recomputed
-    there instead of being kept (or spilled) across the loop."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -412,28 +406,6 @@ def gluon_dkdv_kernel(
 
 
 @gluon.jit
-def dq_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles):
-    """Producer warp: both Q halves once, then K_j and V_j into slot j % STAGES once both consumers freed it."""
-    q_bar, k_ready, k_empty, v_ready, v_empty, _ = bars
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * ROWS, 0], q_bar, as_box(q_smem.index(half), q_desc))
-    for j in range(num_tiles):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot),
-                                        as_box(k_smem.index(slot), k_desc))
-        mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot),
-                                        as_box(v_smem.index(slot), v_desc))
-
-
-@gluon.jit
 def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k, scale_log2,
             s_layout: gl.constexpr, op_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """Key tile j (ring slot j % STAGES) into dq; MASK: the causal diagonal or the ragged last tile.
@@ -480,9 +452,8 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    bh, m0 = row_block(num_row_tiles, CAUSAL)
-    heads = bh % heads_q
-    b = bh // heads_q
+    b, heads, _, m0 = row_block(gl.program_id(0), num_row_tiles, heads_q, 1, 2 * ROWS, CAUSAL)
+    bh = b * heads_q + heads
     first = m0 + half * ROWS
     mbarrier.expect(do_bar.index(half), do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(do_desc, [b, heads, first, 0], do_bar.index(half),
@@ -508,16 +479,6 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
 
 
 @gluon.jit
-def row_block(num_row_tiles, CAUSAL: gl.constexpr):
-    """(b * Hq + h, first row) of this program; causal programs start with the longest rows."""
-    pid = gl.program_id(0)
-    tile_m = pid % num_row_tiles
-    if CAUSAL:
-        tile_m = num_row_tiles - 1 - tile_m
-    return pid // num_row_tiles, tile_m * (2 * ROWS)
-
-
-@gluon.jit
 def gluon_dq_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, dq_strides,
     heads_q, group, len_q, len_q_pad, len_k, num_row_tiles, scale_log2, scale,
@@ -528,10 +489,7 @@ def gluon_dq_kernel(
 
     DQ: (B, Hq, Nq, D) in q's dtype, or float32 with ACCUMULATE. LSE2, DELTA as for `gluon_dkdv_kernel`.
     """
-    bh, m0 = row_block(num_row_tiles, CAUSAL)
-    b = bh // heads_q
-    h = bh % heads_q
-    hk = h // group
+    b, h, hk, m0 = row_block(gl.program_id(0), num_row_tiles, heads_q, group, 2 * ROWS, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -568,7 +526,7 @@ def gluon_dq_kernel(
         (dq_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
                                 dq_strides, heads_q, num_row_tiles, len_q, len_q_pad, len_k, scale_log2, scale,
                                 CAUSAL, ACCUMULATE, IN_REGISTERS)),
-        (dq_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles)),
+        (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -588,10 +546,7 @@ def gluon_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     if dout is not None and (dout.shape != q.shape or not tma_compatible(dout)):
         reasons.append(f"dout (shape {tuple(dout.shape)}, strides {dout.stride()}) must have q's shape "
                        "and TMA-compatible strides")
-    broadcast = [name for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)) if x is not None
-                 and any(n > 1 and stride == 0 for n, stride in zip(x.shape[:2], x.stride()[:2]))]
-    if broadcast:
-        reasons.append(f"{', '.join(broadcast)} broadcast (stride 0) over batch or heads: TMA needs real strides")
+    reasons += broadcast_reasons(dout=dout)
     rows = q.shape[0] * q.shape[1] * padded_rows(q.shape[2], CONFIGS.get(q.shape[-1], CONFIGS[128]))
     if rows > MAX_STATS:
         reasons.append(f"B * Hq * Nq = {rows} (padded) exceeds {MAX_STATS}")
@@ -651,26 +606,6 @@ def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pa
         row_tiles, D=out.shape[-1], BLOCK=block, num_warps=4,
     )
     return lse2, delta
-
-
-GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
-
-
-def tma_strides(x: torch.Tensor) -> list[int]:
-    """x's strides, with the stride of each dimension of size 1 made TMA-valid (torch may report
-    any stride there; it is never stepped, but the descriptor checks it)."""
-    strides = list(x.stride())
-    for i in reversed(range(x.dim() - 1)):
-        if x.shape[i] == 1:
-            strides[i] = strides[i + 1] * x.shape[i + 1]
-    return strides
-
-
-def tile_descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
-    """Host TMA descriptor over (B, H, N, D) x with [1, 1, rows, cols or D] boxes (zero fill past row N)."""
-    block = [1, 1, rows, cols or x.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype])
-    return TensorDescriptor(x, list(x.shape), tma_strides(x), block, layout)
 
 
 def stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:

@@ -42,10 +42,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams
 from .configs import interpreting, tma_compatible
-from .passes import ensure_allocator, grid_of, on_device, scalar_args
+from .passes import grid_of, on_device, scalar_args
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 HEAD_DIMS = (64, 128)
@@ -106,24 +107,52 @@ def key_tiles(m0, len_q, len_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, BLO
 
 
 @gluon.jit
-def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles):
-    """Producer warp: Q once, then K_j and V_j into slot j % STAGES once all consumers freed it."""
+def as_box(smem, desc):
+    """A [rows, D] slot seen as the [1, 1, rows, D] box of a (B, H, N, D) descriptor."""
+    return smem._reinterpret(smem.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def program_id_again():
+    """gl.program_id(0), read anew: values derived from it after a long loop are recomputed
+    there instead of being kept (or spilled) across the loop."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def row_block(pid, num_row_tiles, heads_q, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(b, h, hk, first row) of program pid over (num_row_tiles * B * Hq); causal programs start
+    with the longest rows."""
+    bh = pid // num_row_tiles
+    tile_m = pid % num_row_tiles
+    if CAUSAL:
+        tile_m = num_row_tiles - 1 - tile_m
+    h = bh % heads_q
+    return bh // heads_q, h, h // group, tile_m * BLOCK_M
+
+
+@gluon.jit
+def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles):
+    """Producer warp: Q rows m0 + [0, 64 * consumers) of (b, h) once, then K_j and V_j of (b, hk)
+    into slot j % STAGES once all consumers freed it."""
     q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     CONSUMERS: gl.constexpr = q_smem.shape[0]
     mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
     for half in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [m0 + half * ROWS, 0], q_bar, q_smem.index(half))
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * ROWS, 0], q_bar, as_box(q_smem.index(half), q_desc))
     for j in range(num_tiles):
         slot = j % STAGES
         phase = (j // STAGES) & 1
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot),
+                                        as_box(k_smem.index(slot), k_desc))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot),
+                                        as_box(v_smem.index(slot), v_desc))
 
 
 @gluon.jit
@@ -215,9 +244,8 @@ def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, 
 
 
 @gluon.jit
-def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q,
-                      len_k, num_tiles, full_tiles, scale_log2, CAUSAL: gl.constexpr,
-                      PINGPONG: gl.constexpr):
+def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group,
+                      num_row_tiles, len_q, len_k, scale_log2, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup `half`: rows m0 + 64*half + [0, 64); writes their out (TMA) and lse."""
     q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -227,7 +255,10 @@ def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, 
     o_layout: gl.constexpr = wgmma_layout(DV)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    BLOCK_M: gl.constexpr = q_smem.shape[0] * ROWS
 
+    _, _, _, m0 = row_block(gl.program_id(0), num_row_tiles, heads_q, group, BLOCK_M, CAUSAL)
+    num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, BLOCK_M)
     q = q_smem.index(half)
     rows = m0 + half * ROWS + gl.arange(0, ROWS, layout=row_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
@@ -258,48 +289,36 @@ def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, 
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         release(v_empty, last, STAGES)
 
+    b, h, _, m0 = row_block(program_id_again(), num_row_tiles, heads_q, group, BLOCK_M, CAUSAL)
     has_mass = l_i != 0.0  # NaN counts as mass, so NaN propagates
     safe_l = gl.where(has_mass, l_i, 1.0)
     lse = gl.where(has_mass, (m_i * scale_log2 + gl.log2(safe_l)) * LN2, float("-inf"))
-    gl.store(lse_row + rows, lse, mask=rows < len_q)
+    gl.store(LSE + (b * heads_q + h).to(gl.int64) * len_q + rows, lse, mask=rows < len_q)
     inv_l = gl.convert_layout(gl.where(has_mass, 1.0 / safe_l, 0.0), gl.SliceLayout(1, o_layout))
     o_smem = q_smem.index(half)  # Q's slot is free once the last S wgmma is done
     o_smem.store((acc * gl.expand_dims(inv_l, 1)).to(o_smem.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [m0 + half * ROWS, 0], o_smem)
+    tma.async_copy_shared_to_global(o_desc, [b, h, m0 + half * ROWS, 0], as_box(o_smem, o_desc))
     tma.store_wait(0)
 
 
 @gluon.jit
 def gluon_forward_kernel(
-    Q, K, V, O, LSE, q_strides, k_strides, v_strides, o_strides, heads_q, group, len_q, len_k,
-    num_row_tiles, scale_log2, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    q_desc, k_desc, v_desc, o_desc, LSE, heads_q, group, len_q, len_k, num_row_tiles, scale_log2,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
-    """Grid: (num_row_tiles * B * Hq,). Strides are (batch, head, row, col); every last stride is 1.
+    """Grid: (num_row_tiles * B * Hq,). Descriptors (`tile_descriptor`): q, o (B, Hq, Nq, D) with
+    [1, 1, 64, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, BLOCK_N, D] boxes; o in q's dtype.
 
-    O: (B, Hq, Nq, D) in q's dtype; LSE: contiguous (B, Hq, Nq) float32, natural log.
+    LSE: contiguous (B, Hq, Nq) float32, natural log.
     """
-    pid = gl.program_id(0)
-    bh = pid // num_row_tiles
-    tile_m = pid % num_row_tiles
-    if CAUSAL:
-        tile_m = num_row_tiles - 1 - tile_m
-    b = (bh // heads_q).to(gl.int64)
-    h = (bh % heads_q).to(gl.int64)
-    hk = h // group
-    m0 = tile_m * (CONSUMERS * ROWS)
-    dtype: gl.constexpr = Q.dtype.element_ty
+    b, h, hk, m0 = row_block(gl.program_id(0), num_row_tiles, heads_q, group, CONSUMERS * ROWS, CAUSAL)
+    dtype: gl.constexpr = q_desc.dtype
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b * q_strides[0] + h * q_strides[1], [len_q, D],
-                                        [q_strides[2], 1], [ROWS, D], q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * k_strides[0] + hk * k_strides[1], [len_k, D],
-                                        [k_strides[2], 1], [BLOCK_N, D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * v_strides[0] + hk * v_strides[1], [len_k, D],
-                                        [v_strides[2], 1], [BLOCK_N, D], kv_layout)
-    o_desc = tma.make_tensor_descriptor(O + b * o_strides[0] + h * o_strides[1], [len_q, D],
-                                        [o_strides[2], 1], [ROWS, D], q_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
@@ -320,28 +339,58 @@ def gluon_forward_kernel(
         mbarrier.init(sched.index(i), count=1)
     bars = (q_bar, k_ready, k_empty, v_ready, v_empty, sched)
 
-    num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, CONSUMERS * ROWS)
-    lse_row = LSE + bh.to(gl.int64) * len_q
+    num_tiles, _ = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, CONSUMERS * ROWS)
     # Arguments written out in each tuple (so one list per consumer count): a tuple bound to a
-    # name would turn the constexprs into run-time values inside the partitions.
+    # name would turn the constexprs into run-time values inside the partitions. Consumers derive
+    # their tile from the program id (values shared with the prologue would stay live).
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
-                                 full_tiles, scale_log2, CAUSAL, PINGPONG)),
-            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
-                                 full_tiles, scale_log2, CAUSAL, PINGPONG)),
-            (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles)),
+            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group, num_row_tiles,
+                                 len_q, len_k, scale_log2, CAUSAL, PINGPONG)),
+            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group, num_row_tiles,
+                                 len_q, len_k, scale_log2, CAUSAL, PINGPONG)),
+            (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
-                                 full_tiles, scale_log2, CAUSAL, PINGPONG)),
-            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
-                                 full_tiles, scale_log2, CAUSAL, PINGPONG)),
-            (compute_partition, (2, q_smem, k_smem, v_smem, bars, o_desc, lse_row, m0, len_q, len_k, num_tiles,
-                                 full_tiles, scale_log2, CAUSAL, PINGPONG)),
-            (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, m0, num_tiles)),
+            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group, num_row_tiles,
+                                 len_q, len_k, scale_log2, CAUSAL, PINGPONG)),
+            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group, num_row_tiles,
+                                 len_q, len_k, scale_log2, CAUSAL, PINGPONG)),
+            (compute_partition, (2, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group, num_row_tiles,
+                                 len_q, len_k, scale_log2, CAUSAL, PINGPONG)),
+            (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+
+
+def tma_strides(x: torch.Tensor) -> list[int]:
+    """x's strides, with the stride of each dimension of size 1 made TMA-valid (torch may report
+    any stride there; it is never stepped, but the descriptor checks it)."""
+    strides = list(x.stride())
+    for i in reversed(range(x.dim() - 1)):
+        if x.shape[i] == 1:
+            strides[i] = strides[i + 1] * x.shape[i + 1]
+    return strides
+
+
+def tile_descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
+    """Host TMA descriptor over (B, H, N, D) x with [1, 1, rows, cols or D] boxes (zero fill past row N)."""
+    block = [1, 1, rows, cols or x.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, list(x.shape), tma_strides(x), block, layout)
+
+
+def broadcast_reasons(**tensors) -> list[str]:
+    """The reason, if any, that host TMA descriptors cannot cover these (B, H, N, D) tensors: a batch
+    or head dimension broadcast with stride 0."""
+    broadcast = [name for name, x in tensors.items() if x is not None
+                 and any(n > 1 and stride == 0 for n, stride in zip(x.shape[:2], x.stride()[:2]))]
+    if broadcast:
+        return [f"{', '.join(broadcast)} broadcast (stride 0) over batch or heads: TMA needs real strides"]
+    return []
 
 
 def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
@@ -373,7 +422,7 @@ def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
         reasons.append(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if not tma_compatible(q, k, v):
         reasons.append("strides are not TMA-compatible (16-byte aligned base and rows, unit last stride)")
-    return reasons
+    return reasons + broadcast_reasons(q=q, k=k, v=v)
 
 
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
@@ -387,19 +436,25 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Att
 
 def launch(q, k, v, params: AttentionParams):
     batch, heads_q, len_q, dim = q.shape
-    heads_k, len_k = k.shape[1], k.shape[2]
+    len_k = k.shape[2]
     out = torch.empty(batch, heads_q, len_q, dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or len_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    ensure_allocator()  # device-side TMA descriptors need scratch memory
-    num_tiles = triton.cdiv(len_q, CONFIGS[dim].consumers * ROWS.value)
-    gluon_forward_kernel[grid_of(num_tiles, batch * heads_q)](
-        q, k, v, out, lse, q.stride(), k.stride(), v.stride(), out.stride(), heads_q,
-        heads_q // heads_k, len_q, len_k, num_tiles, scalar_args(params)["scale_log2"],
-        **kernel_constants(dim, params.window == (UNBOUNDED, 0)),
-    )
+    args, grid = forward_arguments(q, k, v, out, lse, scalar_args(params)["scale_log2"])
+    gluon_forward_kernel[grid](*args, **kernel_constants(dim, params.window == (UNBOUNDED, 0)))
     return out, lse
+
+
+def forward_arguments(q, k, v, out, lse, scale_log2: float) -> tuple:
+    """Positional arguments of `gluon_forward_kernel`, and its grid."""
+    batch, heads_q, len_q, dim = q.shape
+    heads_k, len_k = k.shape[1], k.shape[2]
+    cfg = CONFIGS[dim]
+    num_tiles = triton.cdiv(len_q, cfg.consumers * ROWS.value)
+    args = (tile_descriptor(q, ROWS.value), tile_descriptor(k, cfg.block_n), tile_descriptor(v, cfg.block_n),
+            tile_descriptor(out, ROWS.value), lse, heads_q, heads_q // heads_k, len_q, len_k, num_tiles, scale_log2)
+    return args, grid_of(num_tiles, batch * heads_q)
 
 
 def kernel_constants(dim: int, causal: bool) -> dict:
@@ -408,5 +463,5 @@ def kernel_constants(dim: int, causal: bool) -> dict:
     if cfg.consumers not in (2, 3):
         raise ValueError(f"GluonConfig.consumers must be 2 or 3, got {cfg.consumers}")
     maxnreg, consumer_regs = register_split(cfg.consumers)
-    return dict(D=dim, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
+    return dict(STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
                 CONSUMERS=cfg.consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
