@@ -8,8 +8,9 @@ head dim 64 and 128; causal off/on. FLOPs = 4*B*H*N^2*D, halved for causal,
 `passes.triton_forward`), SDPA's cuDNN and flash backends, and compiled
 FlexAttention (inputs with requires_grad, as in prefill.py). `--variants`
 adds Gluon rows with other tiles for one head dim: "dim:BLOCK_NxSTAGES", then
-"w3" for three consumer warpgroups (192 query rows per program) and "pp" for the
-ping-pong schedule, e.g. "128:128x3,128:128x2pp,64:128x2w3pp".
+"w3" for three consumer warpgroups (192 query rows per program), "pp" for the
+ping-pong schedule and "ps" for a persistent grid (one program per SM), e.g.
+"128:128x3,128:128x2pp,64:128x2w3pp,128:128x2ps".
 
     PYTHONPATH=src python3 benchmarks/gluon_forward.py --out $OUT/gluon-forward-h200.json
 """
@@ -57,16 +58,17 @@ def parse_args(argv=None):
 
 
 def variant(spec: str):
-    """'64:128x2w3pp' -> (64, GluonConfig(block_n=128, stages=2, pingpong=True, consumers=3))."""
+    """'64:128x2w3pp' -> (64, GluonConfig(block_n=128, stages=2, pingpong=True, consumers=3)); a trailing
+    'ps' makes it persistent."""
     import re
 
     from exattn.backends.triton.gluon_forward import GluonConfig
 
-    found = re.fullmatch(r"(\d+):(\d+)x(\d+)(?:w(\d+))?(pp)?", spec)
+    found = re.fullmatch(r"(\d+):(\d+)x(\d+)(?:w(\d+))?(pp)?(ps)?", spec)
     if found is None:
-        raise ValueError(f"--variants: {spec!r} is not 'dim:BLOCK_NxSTAGES[wN][pp]'")
-    dim, block_n, stages, consumers, pingpong = found.groups()
-    return int(dim), GluonConfig(int(block_n), int(stages), bool(pingpong), int(consumers or 2))
+        raise ValueError(f"--variants: {spec!r} is not 'dim:BLOCK_NxSTAGES[wN][pp][ps]'")
+    dim, block_n, stages, consumers, pingpong, persistent = found.groups()
+    return int(dim), GluonConfig(int(block_n), int(stages), bool(pingpong), int(consumers or 2), bool(persistent))
 
 
 def impl_names(args) -> list[str]:

@@ -16,6 +16,7 @@ import subprocess
 import pytest
 import torch
 import triton
+from error_rule import assert_matches_oracle
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
@@ -25,7 +26,6 @@ from exattn.backends.triton import GLUON_HEAD_DIMS
 from exattn.backends.triton import gluon_forward as gf
 from exattn.problem import AttentionParams
 from exattn.reference import attention_ref
-from error_rule import assert_matches_oracle
 
 HOPPER_SHARED_BYTES = 232448
 TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -35,7 +35,7 @@ def compile_for_sm90(dim: int, causal: bool, dtype: torch.dtype):
     """The kernel as `gluon_forward` launches it (arguments from `forward_arguments`, host TMA
     descriptors over CPU tensors), compiled for sm_90a."""
     q, k, v = (torch.empty(2, heads, 300, dim, dtype=dtype) for heads in (4, 2, 2))
-    args, _ = gf.forward_arguments(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), 0.5)
+    args, _ = gf.forward_arguments(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), 0.5, programs=4)
     constants = gf.kernel_constants(dim, causal)
     options = {name: constants.pop(name) for name in ("num_warps", "maxnreg")}
     signature = {}
@@ -66,7 +66,8 @@ def resource_usage(kernel, tmp_path) -> dict[str, int]:
 
 
 # Other schedules than the shipped ones: (head dim, GluonConfig fields to replace).
-SCHEDULES = [(64, {"consumers": 2, "stages": 4}), (64, {"pingpong": True}), (128, {"pingpong": True})]
+SCHEDULES = [(64, {"consumers": 2, "stages": 4}), (64, {"pingpong": True}), (128, {"pingpong": True}),
+             (64, {"consumers": 2, "stages": 4, "persistent": True}), (128, {"persistent": True})]
 
 
 @pytest.mark.parametrize("dim,causal,dtype,changes", [
@@ -181,6 +182,24 @@ SHAPES = [  # (B, Hq, Hk, Nq, Nk)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_oracle(dtype, d, causal, shape):
+    torch.manual_seed(hash((d, causal) + shape) % 2**31)
+    check(*gpu_inputs(*shape, d, dtype), causal)
+
+
+# Persistent grids (one program per SM striding over the work tiles): more tiles than SMs, causal
+# tiles with no key, one tile, ragged lengths.
+PERSISTENT = {64: {"persistent": True, "consumers": 2, "stages": 4}, 128: {"persistent": True}}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 2, 1, 1), (2, 8, 2, 2100, 2100), (3, 6, 3, 1500, 700), (1, 4, 1, 77, 3000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_persistent_grid_matches_oracle(dtype, d, causal, shape, monkeypatch):
+    monkeypatch.setitem(gf.CONFIGS, d, gf.CONFIGS[d]._replace(**PERSISTENT[d]))
     torch.manual_seed(hash((d, causal) + shape) % 2**31)
     check(*gpu_inputs(*shape, d, dtype), causal)
 

@@ -28,6 +28,7 @@ tiles apply an element mask; causal programs start with the longest rows.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -46,7 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams
 from .configs import interpreting, tma_compatible
-from .passes import grid_of, on_device, scalar_args
+from .passes import on_device, scalar_args
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 HEAD_DIMS = (64, 128)
@@ -72,12 +73,15 @@ class GluonConfig(NamedTuple):
     """block_n keys per tile; `stages` K/V slots in the ring; pingpong: the consumer
     warpgroups take turns issuing their wgmmas (FA3's scheduler barrier), so one's softmax
     runs under the others' matmuls; consumers: warpgroups of 64 query rows per program
-    (3 leave 160 registers each: enough at d = 64, spills at d = 128)."""
+    (3 leave 160 registers each: enough at d = 64, spills at d = 128); persistent: one
+    program per SM strides over the work tiles (the next tile's Q and K/V load while the
+    consumers finish this one) instead of one program per tile."""
 
     block_n: int
     stages: int
     pingpong: bool = False
     consumers: int = 2
+    persistent: bool = False
 
 
 CONFIGS = {64: GluonConfig(128, 2, consumers=3), 128: GluonConfig(128, 2)}
@@ -132,19 +136,13 @@ def row_block(pid, num_row_tiles, heads_q, group, BLOCK_M: gl.constexpr, CAUSAL:
 
 
 @gluon.jit
-def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles):
-    """Producer warp: Q rows m0 + [0, 64 * consumers) of (b, h) once, then K_j and V_j of (b, hk)
-    into slot j % STAGES once all consumers freed it."""
-    q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
+def load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, ring0, num_tiles):
+    """K_j and V_j of (b, hk), j < num_tiles, into ring slot (ring0 + j) % STAGES once every consumer freed it."""
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    CONSUMERS: gl.constexpr = q_smem.shape[0]
-    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
-    for half in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * ROWS, 0], q_bar, as_box(q_smem.index(half), q_desc))
     for j in range(num_tiles):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
+        slot = (ring0 + j) % STAGES
+        phase = ((ring0 + j) // STAGES) & 1
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot),
@@ -153,6 +151,74 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, h
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot),
                                         as_box(v_smem.index(slot), v_desc))
+
+
+@gluon.jit
+def load_q(q_desc, q_smem, first_slot, ready, b, h, m0, BLOCKS: gl.constexpr):
+    """BLOCKS row blocks of 64 from m0 of (b, h) into slots first_slot, ..., onto one barrier."""
+    mbarrier.expect(ready, BLOCKS * q_desc.block_type.nbytes)
+    for half in gl.static_range(BLOCKS):
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * ROWS, 0], ready,
+                                        as_box(q_smem.index(first_slot + half), q_desc))
+
+
+@gluon.jit
+def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles):
+    """Producer warp of one row block: Q rows m0 + [0, 64 * q_smem.shape[0]) of (b, h) once, then
+    the K/V ring of (b, hk)."""
+    q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
+    load_q(q_desc, q_smem, 0, q_bar, b, h, m0, q_smem.shape[0])
+    load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, 0, num_tiles)
+
+
+@gluon.jit
+def tile_of(t, num_row_tiles, heads_q, batch_heads, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+            PERSISTENT: gl.constexpr):
+    """(b, h, hk, first row) of work tile t: the row blocks of one (b, h) after another (neighbouring
+    tiles share K/V in L2), longest causal rows first; persistent causal: row block t // (B * Hq) of
+    every (b, h) in turn, so programs that stride over the tiles get equal shares of work."""
+    if CAUSAL and PERSISTENT:
+        tile_m = num_row_tiles - 1 - t // batch_heads
+        bh = t % batch_heads
+    else:
+        tile_m = t % num_row_tiles
+        if CAUSAL:
+            tile_m = num_row_tiles - 1 - tile_m
+        bh = t // num_row_tiles
+    h = bh % heads_q
+    return bh // heads_q, h, h // group, tile_m * BLOCK_M
+
+
+@gluon.jit
+def forward_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads, group,
+                           num_row_tiles, len_q, len_k, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                           PERSISTENT: gl.constexpr):
+    """Producer warp: for each work tile of this program (PERSISTENT), or for tile program_id, its Q
+    into a Q buffer (once the consumers stored the out it held), then its K/V through the ring."""
+    if PERSISTENT:
+        ring0 = 0
+        for t in range(gl.program_id(0), num_row_tiles * batch_heads, gl.num_programs(0)):
+            i = (t - gl.program_id(0)) // gl.num_programs(0)
+            ring0 += load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0, heads_q,
+                               batch_heads, group, num_row_tiles, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)
+    else:
+        load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, gl.program_id(0), 0, 0, heads_q, batch_heads,
+                  group, num_row_tiles, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)
+
+
+@gluon.jit
+def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0, heads_q, batch_heads, group,
+              num_row_tiles, len_q, len_k, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Work tile t, the i-th of this program: Q into buffer i % Q_BUFFERS, K/V from ring position ring0.
+    Returns the number of key tiles."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    b, h, hk, m0 = tile_of(t, num_row_tiles, heads_q, batch_heads, group, CONSUMERS * ROWS, CAUSAL, PERSISTENT)
+    num_tiles, _ = key_tiles(m0, len_q, len_k, k_smem.shape[1], CAUSAL, CONSUMERS * ROWS)
+    mbarrier.wait(q_empty.index(i % Q_BUFFERS), ((i // Q_BUFFERS) & 1) ^ 1)
+    load_q(q_desc, q_smem, (i % Q_BUFFERS) * CONSUMERS, q_ready.index(i % Q_BUFFERS), b, h, m0, CONSUMERS)
+    load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, ring0, num_tiles)
+    return num_tiles
 
 
 @gluon.jit
@@ -217,119 +283,157 @@ def softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2, dtype: gl.const
 
 
 @gluon.jit
-def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, m_i, l_i, rows, j,
+def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, m_i, l_i, rows, j, r,
                    len_q, len_k, scale_log2, p_layout: gl.constexpr, MASK: gl.constexpr,
                    CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-    """Tile j: S_j = Q K_j^T and O += P_j-1 V_j-1 in flight together, softmax of S_j under the second.
+    """Key tile j (ring position r): S_j = Q K_j^T and O += P_j-1 V_j-1 in flight together, softmax of
+    S_j under the second.
 
     s_regs (the consumed S_j-1) is reused as the first wgmma's result registers.
     """
-    q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
     STAGES: gl.constexpr = k_smem.shape[0]
-    wait_ready(k_ready, j, STAGES)
-    wait_ready(v_ready, j - 1, STAGES)
-    take_turn(sched, half, j, PINGPONG)
-    s_tok = warpgroup_mma(q, k_smem.index(j % STAGES).permute((1, 0)), s_regs, use_acc=False, is_async=True)
-    o_tok = warpgroup_mma(p, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+    wait_ready(k_ready, r, STAGES)
+    wait_ready(v_ready, r - 1, STAGES)
+    take_turn(sched, half, r, PINGPONG)
+    s_tok = warpgroup_mma(q, k_smem.index(r % STAGES).permute((1, 0)), s_regs, use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p, v_smem.index((r - 1) % STAGES), acc, is_async=True)
     pass_turn(sched, half, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
-    release(k_empty, j, STAGES)
+    release(k_empty, r, STAGES)
     p_new, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2,
                                           v_smem.dtype, p_layout, MASK, CAUSAL)
     acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
-    release(v_empty, j - 1, STAGES)
+    release(v_empty, r - 1, STAGES)
     alpha = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
     acc = acc * gl.expand_dims(alpha, 1)
     return s, p_new, acc, m_i, l_i
 
 
 @gluon.jit
-def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group,
-                      num_row_tiles, len_q, len_k, scale_log2, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer warpgroup `half`: rows m0 + 64*half + [0, 64); writes their out (TMA) and lse."""
-    q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
+def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, m0, heads_q, ring0, len_q, len_k,
+                scale_log2, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """Rows m0 + 64*half + [0, 64) of (b, h) against the key tiles at ring positions ring0, ...: writes
+    their lse, and their out into q's slot (TMA store, waited for). Returns the number of key tiles."""
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     DV: gl.constexpr = v_smem.shape[2]
+    BLOCK_M: gl.constexpr = CONSUMERS * ROWS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(DV)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    BLOCK_M: gl.constexpr = q_smem.shape[0] * ROWS
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
 
-    _, _, _, m0 = row_block(gl.program_id(0), num_row_tiles, heads_q, group, BLOCK_M, CAUSAL)
     num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, BLOCK_M)
-    q = q_smem.index(half)
     rows = m0 + half * ROWS + gl.arange(0, ROWS, layout=row_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
-    mbarrier.wait(q_bar, 0)
     if num_tiles > 0:
-        wait_ready(k_ready, 0, STAGES)
-        take_turn(sched, half, 0, PINGPONG)
+        wait_ready(k_ready, ring0, STAGES)
+        take_turn(sched, half, ring0, PINGPONG)
         s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q, k_smem.index(ring0 % STAGES).permute((1, 0)), s, use_acc=False, is_async=True)
         pass_turn(sched, half, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s,))
-        release(k_empty, 0, STAGES)
+        release(k_empty, ring0, STAGES)
         p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, 0, len_q, len_k, scale_log2,
                                           v_smem.dtype, p_layout, True, CAUSAL)
         for j in range(1, full_tiles):
             s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
-                                                 j, len_q, len_k, scale_log2, p_layout, False, CAUSAL,
+                                                 j, ring0 + j, len_q, len_k, scale_log2, p_layout, False, CAUSAL,
                                                  PINGPONG)
         for j in range(gl.maximum(full_tiles, 1), num_tiles):
             s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
-                                                 j, len_q, len_k, scale_log2, p_layout, True, CAUSAL,
+                                                 j, ring0 + j, len_q, len_k, scale_log2, p_layout, True, CAUSAL,
                                                  PINGPONG)
-        last = num_tiles - 1
+        last = ring0 + num_tiles - 1
         wait_ready(v_ready, last, STAGES)
         acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         release(v_empty, last, STAGES)
 
-    b, h, _, m0 = row_block(program_id_again(), num_row_tiles, heads_q, group, BLOCK_M, CAUSAL)
     has_mass = l_i != 0.0  # NaN counts as mass, so NaN propagates
     safe_l = gl.where(has_mass, l_i, 1.0)
     lse = gl.where(has_mass, (m_i * scale_log2 + gl.log2(safe_l)) * LN2, float("-inf"))
     gl.store(LSE + (b * heads_q + h).to(gl.int64) * len_q + rows, lse, mask=rows < len_q)
     inv_l = gl.convert_layout(gl.where(has_mass, 1.0 / safe_l, 0.0), gl.SliceLayout(1, o_layout))
-    o_smem = q_smem.index(half)  # Q's slot is free once the last S wgmma is done
+    o_smem = q  # Q's slot is free once the last S wgmma is done
     o_smem.store((acc * gl.expand_dims(inv_l, 1)).to(o_smem.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, m0 + half * ROWS, 0], as_box(o_smem, o_desc))
     tma.store_wait(0)
+    return num_tiles
+
+
+@gluon.jit
+def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads,
+                      group, num_row_tiles, len_q, len_k, scale_log2, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+    """Consumer warpgroup `half`: rows 64*half + [0, 64) of each work tile of this program (PERSISTENT),
+    or of tile program_id, Q from the buffer the producer filled (two, alternating); the buffer is
+    handed back once the out is stored."""
+    CONSUMERS: gl.constexpr = q_smem.shape[0] // bars[0].shape[0]
+    if PERSISTENT:
+        ring0 = 0
+        for t in range(gl.program_id(0), num_row_tiles * batch_heads, gl.num_programs(0)):
+            i = (t - gl.program_id(0)) // gl.num_programs(0)
+            ring0 += attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, t, i, ring0, heads_q,
+                                 batch_heads, group, num_row_tiles, len_q, len_k, scale_log2, CONSUMERS, CAUSAL,
+                                 PINGPONG, PERSISTENT)
+    else:
+        attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, gl.program_id(0), 0, 0, heads_q, batch_heads,
+                    group, num_row_tiles, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)
+
+
+@gluon.jit
+def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, t, i, ring0, heads_q, batch_heads,
+                group, num_row_tiles, len_q, len_k, scale_log2, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Work tile t, the i-th of this program, its key tiles from ring position ring0: `attend_rows` with
+    Q from buffer i % Q_BUFFERS, handed back after. Returns the number of key tiles."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
+    b, h, _, m0 = tile_of(t, num_row_tiles, heads_q, batch_heads, group, CONSUMERS * ROWS, CAUSAL, PERSISTENT)
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    wait_ready(q_ready, i, Q_BUFFERS)
+    num_tiles = attend_rows(half, q_smem.index((i % Q_BUFFERS) * CONSUMERS + half), k_smem, v_smem, bars, o_desc, LSE,
+                            b, h, m0, heads_q, ring0, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG)
+    release(q_empty, i, Q_BUFFERS)
+    return num_tiles
 
 
 @gluon.jit
 def gluon_forward_kernel(
-    q_desc, k_desc, v_desc, o_desc, LSE, heads_q, group, len_q, len_k, num_row_tiles, scale_log2,
+    q_desc, k_desc, v_desc, o_desc, LSE, heads_q, batch_heads, group, len_q, len_k, num_row_tiles, scale_log2,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
-    """Grid: (num_row_tiles * B * Hq,). Descriptors (`tile_descriptor`): q, o (B, Hq, Nq, D) with
-    [1, 1, 64, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, BLOCK_N, D] boxes; o in q's dtype.
-
-    LSE: contiguous (B, Hq, Nq) float32, natural log.
+    """Grid: (programs,): one per work tile, or (PERSISTENT) fewer, each striding over the
+    num_row_tiles * B * Hq work tiles (`tile_of`).
+    Descriptors (`tile_descriptor`): q, o (B, Hq, Nq, D) with [1, 1, 64, D] boxes, k, v (B, Hk, Nk, D)
+    with [1, 1, BLOCK_N, D] boxes; o in q's dtype. LSE: contiguous (B, Hq, Nq) float32, natural log.
     """
-    b, h, hk, m0 = row_block(gl.program_id(0), num_row_tiles, heads_q, group, CONSUMERS * ROWS, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
     D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
 
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, D], q_layout)
+    Q_BUFFERS: gl.constexpr = 2 if PERSISTENT else 1  # the next tile's Q loads under this one's
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, ROWS, D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     sched = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -337,29 +441,29 @@ def gluon_forward_kernel(
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(sched.index(i), count=1)
-    bars = (q_bar, k_ready, k_empty, v_ready, v_empty, sched)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched)
 
-    num_tiles, _ = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, CONSUMERS * ROWS)
     # Arguments written out in each tuple (so one list per consumer count): a tuple bound to a
-    # name would turn the constexprs into run-time values inside the partitions. Consumers derive
-    # their tile from the program id (values shared with the prologue would stay live).
+    # name would turn the constexprs into run-time values inside the partitions.
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group, num_row_tiles,
-                                 len_q, len_k, scale_log2, CAUSAL, PINGPONG)),
-            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group, num_row_tiles,
-                                 len_q, len_k, scale_log2, CAUSAL, PINGPONG)),
-            (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles)),
+            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
+                                 num_row_tiles, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
+                                 num_row_tiles, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+            (forward_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads,
+                                      group, num_row_tiles, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group, num_row_tiles,
-                                 len_q, len_k, scale_log2, CAUSAL, PINGPONG)),
-            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group, num_row_tiles,
-                                 len_q, len_k, scale_log2, CAUSAL, PINGPONG)),
-            (compute_partition, (2, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, group, num_row_tiles,
-                                 len_q, len_k, scale_log2, CAUSAL, PINGPONG)),
-            (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles)),
+            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
+                                 num_row_tiles, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
+                                 num_row_tiles, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+            (compute_partition, (2, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
+                                 num_row_tiles, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+            (forward_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads,
+                                      group, num_row_tiles, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -446,15 +550,29 @@ def launch(q, k, v, params: AttentionParams):
     return out, lse
 
 
-def forward_arguments(q, k, v, out, lse, scale_log2: float) -> tuple:
-    """Positional arguments of `gluon_forward_kernel`, and its grid."""
+def forward_arguments(q, k, v, out, lse, scale_log2: float, programs: int | None = None) -> tuple:
+    """Positional arguments of `gluon_forward_kernel`, and its grid: `programs` (default: one per
+    work tile, or with `GluonConfig.persistent` one per SM) striding over the work tiles."""
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
     cfg = CONFIGS[dim]
-    num_tiles = triton.cdiv(len_q, cfg.consumers * ROWS.value)
+    row_tiles = triton.cdiv(len_q, cfg.consumers * ROWS.value)
+    work = row_tiles * batch * heads_q
+    if programs is None:
+        programs = min(work, multiprocessor_count(q.device)) if cfg.persistent else work
     args = (tile_descriptor(q, ROWS.value), tile_descriptor(k, cfg.block_n), tile_descriptor(v, cfg.block_n),
-            tile_descriptor(out, ROWS.value), lse, heads_q, heads_q // heads_k, len_q, len_k, num_tiles, scale_log2)
-    return args, grid_of(num_tiles, batch * heads_q)
+            tile_descriptor(out, ROWS.value), lse, heads_q, batch * heads_q, heads_q // heads_k, len_q, len_k,
+            row_tiles, scale_log2)
+    return args, (programs,)
+
+
+@functools.cache
+def device_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    return device_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def kernel_constants(dim: int, causal: bool) -> dict:
@@ -463,5 +581,5 @@ def kernel_constants(dim: int, causal: bool) -> dict:
     if cfg.consumers not in (2, 3):
         raise ValueError(f"GluonConfig.consumers must be 2 or 3, got {cfg.consumers}")
     maxnreg, consumer_regs = register_split(cfg.consumers)
-    return dict(STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
+    return dict(STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong, PERSISTENT=cfg.persistent,
                 CONSUMERS=cfg.consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
