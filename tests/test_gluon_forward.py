@@ -35,7 +35,7 @@ def compile_for_sm90(dim: int, causal: bool, dtype: torch.dtype):
     """The kernel as `gluon_forward` launches it (arguments from `forward_arguments`, host TMA
     descriptors over CPU tensors), compiled for sm_90a."""
     q, k, v = (torch.empty(2, heads, 300, dim, dtype=dtype) for heads in (4, 2, 2))
-    args, _ = gf.forward_arguments(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), 0.5, programs=4)
+    args, _ = gf.forward_arguments(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), 0.5, causal, programs=4)
     constants = gf.kernel_constants(dim, causal)
     options = {name: constants.pop(name) for name in ("num_warps", "maxnreg")}
     signature = {}
@@ -186,8 +186,8 @@ def test_matches_oracle(dtype, d, causal, shape):
     check(*gpu_inputs(*shape, d, dtype), causal)
 
 
-# Persistent grids (one program per SM striding over the work tiles): more tiles than SMs, causal
-# tiles with no key, one tile, ragged lengths.
+# Persistent grids (one program per SM striding over the work tiles; full attention only): more
+# tiles than SMs, one tile, ragged lengths.
 PERSISTENT = {64: {"persistent": True, "consumers": 2, "stages": 4}, 128: {"persistent": True}}
 
 
@@ -195,13 +195,21 @@ PERSISTENT = {64: {"persistent": True, "consumers": 2, "stages": 4}, 128: {"pers
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 1), (2, 8, 2, 2100, 2100), (3, 6, 3, 1500, 700), (1, 4, 1, 77, 3000)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_persistent_grid_matches_oracle(dtype, d, causal, shape, monkeypatch):
+def test_persistent_grid_matches_oracle(dtype, d, shape, monkeypatch):
     monkeypatch.setitem(gf.CONFIGS, d, gf.CONFIGS[d]._replace(**PERSISTENT[d]))
-    torch.manual_seed(hash((d, causal) + shape) % 2**31)
-    check(*gpu_inputs(*shape, d, dtype), causal)
+    torch.manual_seed(hash((d,) + shape) % 2**31)
+    q, k, v = gpu_inputs(*shape, d, dtype)
+    (programs,) = gf.forward_arguments(q, k, v, q, q, 0.5, causal=False)[1]
+    assert programs <= torch.cuda.get_device_properties(0).multi_processor_count
+    check(q, k, v, causal=False)
+
+
+def test_persistent_grid_only_for_full_attention():
+    cfg = gf.GluonConfig(128, 2, persistent=True)
+    assert gf.persistent_grid(cfg, causal=False) and not gf.persistent_grid(cfg, causal=True)
+    assert not gf.persistent_grid(cfg._replace(persistent=False), causal=False)
 
 
 @pytest.mark.gpu

@@ -75,7 +75,7 @@ class GluonConfig(NamedTuple):
     runs under the others' matmuls; consumers: warpgroups of 64 query rows per program
     (3 leave 160 registers each: enough at d = 64, spills at d = 128); persistent: one
     program per SM strides over the work tiles (the next tile's Q and K/V load while the
-    consumers finish this one) instead of one program per tile."""
+    consumers finish this one) instead of one program per tile, for full attention."""
 
     block_n: int
     stages: int
@@ -84,7 +84,10 @@ class GluonConfig(NamedTuple):
     persistent: bool = False
 
 
-CONFIGS = {64: GluonConfig(128, 2, consumers=3), 128: GluonConfig(128, 2)}
+# d = 128 persistent: full attention 1.02-1.05x the one-program-per-tile grid, causal 0.86-0.95x
+# (benchmarks/results/gluon-forward-h200-persistent.json); d = 64's three warpgroups leave no
+# registers for it (two, persistent: 0.85-0.91x).
+CONFIGS = {64: GluonConfig(128, 2, consumers=3), 128: GluonConfig(128, 2, persistent=True)}
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
@@ -172,19 +175,13 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, h
 
 
 @gluon.jit
-def tile_of(t, num_row_tiles, heads_q, batch_heads, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-            PERSISTENT: gl.constexpr):
+def tile_of(t, num_row_tiles, heads_q, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
     """(b, h, hk, first row) of work tile t: the row blocks of one (b, h) after another (neighbouring
-    tiles share K/V in L2), longest causal rows first; persistent causal: row block t // (B * Hq) of
-    every (b, h) in turn, so programs that stride over the tiles get equal shares of work."""
-    if CAUSAL and PERSISTENT:
-        tile_m = num_row_tiles - 1 - t // batch_heads
-        bh = t % batch_heads
-    else:
-        tile_m = t % num_row_tiles
-        if CAUSAL:
-            tile_m = num_row_tiles - 1 - tile_m
-        bh = t // num_row_tiles
+    tiles share K/V in L2), longest causal rows first."""
+    tile_m = t % num_row_tiles
+    if CAUSAL:
+        tile_m = num_row_tiles - 1 - tile_m
+    bh = t // num_row_tiles
     h = bh % heads_q
     return bh // heads_q, h, h // group, tile_m * BLOCK_M
 
@@ -213,7 +210,7 @@ def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0,
     Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
-    b, h, hk, m0 = tile_of(t, num_row_tiles, heads_q, batch_heads, group, CONSUMERS * ROWS, CAUSAL, PERSISTENT)
+    b, h, hk, m0 = tile_of(t, num_row_tiles, heads_q, group, CONSUMERS * ROWS, CAUSAL)
     num_tiles, _ = key_tiles(m0, len_q, len_k, k_smem.shape[1], CAUSAL, CONSUMERS * ROWS)
     mbarrier.wait(q_empty.index(i % Q_BUFFERS), ((i // Q_BUFFERS) & 1) ^ 1)
     load_q(q_desc, q_smem, (i % Q_BUFFERS) * CONSUMERS, q_ready.index(i % Q_BUFFERS), b, h, m0, CONSUMERS)
@@ -394,7 +391,7 @@ def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, t
     """Work tile t, the i-th of this program, its key tiles from ring position ring0: `attend_rows` with
     Q from buffer i % Q_BUFFERS, handed back after. Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
-    b, h, _, m0 = tile_of(t, num_row_tiles, heads_q, batch_heads, group, CONSUMERS * ROWS, CAUSAL, PERSISTENT)
+    b, h, _, m0 = tile_of(t, num_row_tiles, heads_q, group, CONSUMERS * ROWS, CAUSAL)
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     wait_ready(q_ready, i, Q_BUFFERS)
     num_tiles = attend_rows(half, q_smem.index((i % Q_BUFFERS) * CONSUMERS + half), k_smem, v_smem, bars, o_desc, LSE,
@@ -545,21 +542,22 @@ def launch(q, k, v, params: AttentionParams):
     lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or len_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    args, grid = forward_arguments(q, k, v, out, lse, scalar_args(params)["scale_log2"])
-    gluon_forward_kernel[grid](*args, **kernel_constants(dim, params.window == (UNBOUNDED, 0)))
+    causal = params.window == (UNBOUNDED, 0)
+    args, grid = forward_arguments(q, k, v, out, lse, scalar_args(params)["scale_log2"], causal)
+    gluon_forward_kernel[grid](*args, **kernel_constants(dim, causal))
     return out, lse
 
 
-def forward_arguments(q, k, v, out, lse, scale_log2: float, programs: int | None = None) -> tuple:
+def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, programs: int | None = None) -> tuple:
     """Positional arguments of `gluon_forward_kernel`, and its grid: `programs` (default: one per
-    work tile, or with `GluonConfig.persistent` one per SM) striding over the work tiles."""
+    work tile, or on a persistent grid one per SM) striding over the work tiles."""
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
     cfg = CONFIGS[dim]
     row_tiles = triton.cdiv(len_q, cfg.consumers * ROWS.value)
     work = row_tiles * batch * heads_q
     if programs is None:
-        programs = min(work, multiprocessor_count(q.device)) if cfg.persistent else work
+        programs = min(work, multiprocessor_count(q.device)) if persistent_grid(cfg, causal) else work
     args = (tile_descriptor(q, ROWS.value), tile_descriptor(k, cfg.block_n), tile_descriptor(v, cfg.block_n),
             tile_descriptor(out, ROWS.value), lse, heads_q, batch * heads_q, heads_q // heads_k, len_q, len_k,
             row_tiles, scale_log2)
@@ -575,11 +573,17 @@ def multiprocessor_count(device: torch.device) -> int:
     return device_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def persistent_grid(cfg: GluonConfig, causal: bool) -> bool:
+    """Whether the grid is persistent: `cfg.persistent`, for full attention only (causal programs of
+    one tile each, longest rows first, measured faster: gluon-forward-h200-persistent.json)."""
+    return cfg.persistent and not causal
+
+
 def kernel_constants(dim: int, causal: bool) -> dict:
     """Constexpr arguments and launch options of the kernel for head dim `dim`."""
     cfg = CONFIGS[dim]
     if cfg.consumers not in (2, 3):
         raise ValueError(f"GluonConfig.consumers must be 2 or 3, got {cfg.consumers}")
     maxnreg, consumer_regs = register_split(cfg.consumers)
-    return dict(STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong, PERSISTENT=cfg.persistent,
+    return dict(STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong, PERSISTENT=persistent_grid(cfg, causal),
                 CONSUMERS=cfg.consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
