@@ -112,6 +112,29 @@ def test_kernel_many_and_empty_splits(block_n):
         assert_matches_attention(f"splits={num_splits}", out, lse, q, k, v, lens)  # scale 0.25 = 16 ** -0.5
 
 
+@pytest.mark.parametrize("page_size, block_n, len_q", [(16, 32, 3), (24, 64, 16), (32, 32, 1), (48, 16, 2)],
+                         ids=("page<block", "page<block-Nq16", "page=block", "page>block"))
+def test_kernel_short_and_empty_sequences_wide_tables(page_size, block_n, len_q):
+    """Lengths 0, below Nq and below one key block leave splits empty or rows fully masked
+    (out 0, lse -inf, never NaN); shuffled pages smaller than, equal to and larger than the
+    key block; a table wider than the pages used holds -7 in its spare slots and spare
+    pages hold NaN, so reading either would show."""
+    from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward
+
+    lengths = [200, 0, 2, 13, 131]
+    q, k, v, lens = make_case(5, 4, 2, len_q, 200, 24, torch.float16, seed=page_size, lengths=lengths)
+    k_pages, v_pages, table = paged(k, v, lens, page_size)
+    table = torch.cat([table, torch.full_like(table[:, :2], -7)], dim=1).contiguous()
+    config = DecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
+    real = [b for b, n in enumerate(lengths) if n > 0]
+    for num_splits in (1, 3):
+        for caches in ((k, v, None), (k_pages, v_pages, table)):
+            out, lse = decode_forward(q, caches[0], caches[1], lens, caches[2], 24 ** -0.5, num_splits, config)
+            name = f"splits={num_splits} paged={caches[2] is not None}"
+            assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf")), name
+            assert_matches_attention(name, out[real], lse[real], q[real], k[real], v[real], lens[real])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", (16, 24, 64))
 def test_paged_equals_contiguous(backend, page_size):

@@ -80,6 +80,27 @@ def test_bf16_planned_configs(stages):
         torch.testing.assert_close(paged_lse, lse, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("page_size", (16, 256))
+def test_bf16_short_and_empty_sequences_paged(page_size):
+    """Lengths 0, 1, about one key block and a few blocks, through both planned configurations
+    (2 and 3 stages) and split counts that leave splits empty. Spare table slots hold -7,
+    spare cache slots and pages NaN."""
+    from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward
+
+    lengths = [0, 1, 63, 64, 65, 700, 1024, 5]
+    q, k, v, lens = make_case(8, 32, 8, 1, 1024, 128, seed=page_size, lengths=lengths)
+    k_pages, v_pages, table = paged(k, v, lens, page_size)
+    table = torch.cat([table, torch.full_like(table[:, :3], -7)], dim=1).contiguous()
+    real = [b for b, n in enumerate(lengths) if n > 0]
+    for stages in (2, 3):
+        config = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=stages)
+        for num_splits in (1, 3, 16):
+            out, lse = decode_forward(q, k_pages, v_pages, lens, table, 128 ** -0.5, num_splits, config)
+            name = f"stages={stages} splits={num_splits}"
+            assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf")), name
+            assert_matches_attention(name, out, lse, q, k, v, lens, batches=real)
+
+
 def test_bf16_full_gpu_plan():
     """B = 64 x Hk = 8 fills the GPU: the 2-stage configuration through exattn.decode, ragged lengths."""
     q, k, v, lens = make_case(64, 32, 8, 1, 1500, 128, seed=5)
