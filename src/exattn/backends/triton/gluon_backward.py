@@ -68,6 +68,7 @@ from .gluon_forward import (
     PRODUCER_REGS,
     ROWS,
     as_box,
+    box_layout,
     broadcast_reasons,
     gluon_supports,
     key_tiles,
@@ -610,8 +611,7 @@ def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pa
 
 def stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:
     """Host TMA descriptor over the contiguous float32 rows of `row_stats`, seen as 1-D, [rows] boxes."""
-    layout = gl.NVMMASharedLayout.get_default_for([rows], gl.float32)
-    return TensorDescriptor(stats, [stats.numel()], [1], [rows], layout)
+    return TensorDescriptor(stats, [stats.numel()], [1], [rows], box_layout((rows,), torch.float32))
 
 
 def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: GluonBackwardConfig,

@@ -479,9 +479,14 @@ def tma_strides(x: torch.Tensor) -> list[int]:
 
 def tile_descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
     """Host TMA descriptor over (B, H, N, D) x with [1, 1, rows, cols or D] boxes (zero fill past row N)."""
-    block = [1, 1, rows, cols or x.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype])
-    return TensorDescriptor(x, list(x.shape), tma_strides(x), block, layout)
+    block = (1, 1, rows, cols or x.shape[-1])
+    return TensorDescriptor(x, list(x.shape), tma_strides(x), list(block), box_layout(block, x.dtype))
+
+
+@functools.cache
+def box_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a TMA box (cached: it is on every launch's host path)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
 
 
 def broadcast_reasons(**tensors) -> list[str]:
