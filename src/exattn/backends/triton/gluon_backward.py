@@ -75,8 +75,8 @@ from .gluon_forward import (
     load_partition,
     program_id_again,
     release,
-    row_block,
     tile_descriptor,
+    tile_of,
     wait_ready,
     wgmma_layout,
 )
@@ -453,7 +453,7 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    b, heads, _, m0 = row_block(gl.program_id(0), num_row_tiles, heads_q, 1, 2 * ROWS, CAUSAL)
+    b, heads, _, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, 1, 2 * ROWS, CAUSAL)
     bh = b * heads_q + heads
     first = m0 + half * ROWS
     mbarrier.expect(do_bar.index(half), do_desc.block_type.nbytes)
@@ -490,7 +490,7 @@ def gluon_dq_kernel(
 
     DQ: (B, Hq, Nq, D) in q's dtype, or float32 with ACCUMULATE. LSE2, DELTA as for `gluon_dkdv_kernel`.
     """
-    b, h, hk, m0 = row_block(gl.program_id(0), num_row_tiles, heads_q, group, 2 * ROWS, CAUSAL)
+    b, h, hk, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, group, 2 * ROWS, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]

@@ -127,18 +127,6 @@ def program_id_again():
 
 
 @gluon.jit
-def row_block(pid, num_row_tiles, heads_q, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(b, h, hk, first row) of program pid over (num_row_tiles * B * Hq); causal programs start
-    with the longest rows."""
-    bh = pid // num_row_tiles
-    tile_m = pid % num_row_tiles
-    if CAUSAL:
-        tile_m = num_row_tiles - 1 - tile_m
-    h = bh % heads_q
-    return bh // heads_q, h, h // group, tile_m * BLOCK_M
-
-
-@gluon.jit
 def load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, ring0, num_tiles):
     """K_j and V_j of (b, hk), j < num_tiles, into ring slot (ring0 + j) % STAGES once every consumer freed it."""
     STAGES: gl.constexpr = k_smem.shape[0]

@@ -34,9 +34,11 @@ class TritonSettings:
     atomic_dq: the dK/dV kernel also accumulates dQ in float32 by atomics and
         the dQ kernel is skipped: 5 matmuls per tile instead of 7, but gradients
         are no longer bitwise reproducible. Where the Gluon backward serves head
-        dim 128 it adds dQ tiles by TMA reductions (faster on the H200); the
-        Gluon backward at other head dims stays deterministic; the Triton kernels
-        use element atomics (slower on the H200, docs/triton.md).
+        dims 64 (Nq >= 4096) and 128 (Nq >= 2048) it adds dQ tiles by TMA
+        reductions (0.92-1.02x cuDNN on the H200, 1.04-1.14x the deterministic
+        kernels); elsewhere the Triton kernels use element atomics, slower than
+        their deterministic default (0.33-0.69x cuDNN at 1k-2k): set it for long
+        sequences only (docs/triton.md, docs/performance.md).
         Env: EXATTN_TRITON_ATOMIC_DQ=1.
     use_tma: load tiles through TMA tensor descriptors where the strides allow
         (Hopper and newer, and the interpreter). Env: EXATTN_TRITON_TMA=0 turns it off.
