@@ -205,6 +205,8 @@ def test_supports_names_head_dims_without_atomic_dq(monkeypatch):
     q, k, v = cpu_inputs(torch.bfloat16, dim=64, heads=(4, 2))
     reasons = " | ".join(gb.gluon_backward_supports(q, k, v, None, AttentionParams(scale=0.1), atomic_dq=True))
     assert "atomic_dq: D=64" in reasons and "(128,)" in reasons, reasons
+    with pytest.raises(ValueError, match="atomic_dq: D=64"):
+        gb.gluon_backward(q, q, k, v, q, torch.zeros(q.shape[:3]), AttentionParams(scale=0.1), atomic_dq=True)
 
 
 def test_supports_refuses_broadcast_batch_or_heads(monkeypatch):

@@ -188,6 +188,21 @@ def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
 
 
 @gluon.jit
+def issue_s_and_dp(s_a, s_b, dp_a, dp_b, s_ready, dp_ready, j, STAGES: gl.constexpr, s_layout: gl.constexpr):
+    """S = s_a s_b^T and dP = dp_a dp_b^T (b: shared-memory tiles of ring slot j % STAGES) as async
+    wgmmas, each issued once its slot's TMA bytes landed; returns their tokens."""
+    M: gl.constexpr = s_a.shape[0]
+    N: gl.constexpr = s_b.shape[0]
+    wait_ready(s_ready, j, STAGES)
+    s_tok = warpgroup_mma(s_a, s_b.permute((1, 0)), gl.zeros([M, N], gl.float32, s_layout), use_acc=False,
+                          is_async=True)
+    wait_ready(dp_ready, j, STAGES)
+    dp_tok = warpgroup_mma(dp_a, dp_b.permute((1, 0)), gl.zeros([M, N], gl.float32, s_layout), use_acc=False,
+                           is_async=True)
+    return s_tok, dp_tok
+
+
+@gluon.jit
 def share_ds(ds, ds_smem, ds_ready, j, HALF: gl.constexpr):
     """This warpgroup's dS^T rows of step j into the step's buffer (two, alternating), then signal them."""
     ds_smem.index((j % 2) * 2 + HALF).store(ds)
@@ -245,12 +260,7 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
     slot = j % STAGES
     q = q_smem.index(slot)
     do = do_smem.index(slot)
-    wait_ready(q_ready, j, STAGES)
-    s_tok = warpgroup_mma(k, q.permute((1, 0)), gl.zeros([ROWS_, BLOCK_M], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-    wait_ready(do_ready, j, STAGES)
-    dp_tok = warpgroup_mma(v, do.permute((1, 0)), gl.zeros([ROWS_, BLOCK_M], gl.float32, s_layout),
-                           use_acc=False, is_async=True)
+    s_tok, dp_tok = issue_s_and_dp(k, q, v, do, q_ready, do_ready, j, STAGES, s_layout)
     lse2 = lse_smem.index(slot).load(col_layout)
     if IN_REGISTERS:
         s, k = warpgroup_mma_wait(1, deps=(s_tok, k))
@@ -418,12 +428,7 @@ def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k,
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     k = k_smem.index(j % STAGES)
     v = v_smem.index(j % STAGES)
-    wait_ready(k_ready, j, STAGES)
-    s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-    wait_ready(v_ready, j, STAGES)
-    dp_tok = warpgroup_mma(do, v.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                           use_acc=False, is_async=True)
+    s_tok, dp_tok = issue_s_and_dp(q, k, do, v, k_ready, v_ready, j, STAGES, s_layout)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
     p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
     if MASK:
