@@ -8,7 +8,9 @@ run: exattn "triton" (deterministic, the default), SDPA's cuDNN, flash and
 efficient backends, and FlexAttention under torch.compile; with
 `--impls ...,exattn-triton-atomic` also exattn "triton" with
 `settings.atomic_dq` (dQ by atomics: the variant the FlashAttention, cuDNN and
-Flex backwards are). A failing implementation gives a row of
+Flex backwards are); a "-head-major" suffix (exattn-triton-head-major,
+exattn-triton-atomic-head-major) runs causal work tiles in plain head-major
+order instead of `schedule.heads_per_group`'s, for A/B runs. A failing implementation gives a row of
 nulls with the error. Compilation (exattn kernels, FlexAttention graphs) is
 first warmed in parallel worker processes sharing the on-disk caches.
 
@@ -99,9 +101,9 @@ def attention_function(impl, cell):
 
     causal = cell["causal"]
     if impl.startswith("exattn-triton"):
-        atomic = impl == "exattn-triton-atomic"
+        atomic, head_major = "-atomic" in impl, impl.endswith("-head-major")
         return (lambda q, k, v: exattn.attention(q, k, v, causal=causal, backend="triton")), (
-            lambda: atomic_dq_setting(atomic))
+            lambda: exattn_setting(atomic, head_major))
     if impl == "flex":
         return flex_function(cell), contextlib.nullcontext
     backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -111,15 +113,19 @@ def attention_function(impl, cell):
 
 
 @contextlib.contextmanager
-def atomic_dq_setting(on: bool):
-    from exattn.backends.triton import settings
+def exattn_setting(atomic_dq: bool, head_major: bool):
+    """settings.atomic_dq; head_major: causal work tiles in head-major order (the order before
+    `schedule.heads_per_group`, for A/B runs)."""
+    from exattn.backends.triton import schedule, settings
 
-    saved = settings.atomic_dq
-    settings.atomic_dq = on
+    saved = settings.atomic_dq, schedule.heads_per_group
+    settings.atomic_dq = atomic_dq
+    if head_major:
+        schedule.heads_per_group = lambda *args: 1
     try:
         yield
     finally:
-        settings.atomic_dq = saved
+        settings.atomic_dq, schedule.heads_per_group = saved
 
 
 def make_inputs(cell):

@@ -287,3 +287,20 @@ def test_triton_backend_uses_gluon_with_correct_gradients(d, causal, monkeypatch
     monkeypatch.setattr(settings, "use_gluon", False)
     exattn.attention(q, k, v, causal=causal, backend="triton")
     assert len(calls) == 1  # switched off: the Triton forward kernel
+
+
+def forced_heads_per_group(size):
+    """A stand-in for `schedule.heads_per_group`: `size` heads per group where it divides the heads."""
+    return lambda rank_costs, batch_heads, programs, head_bytes: size if batch_heads % size == 0 else 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("size", [2, 3, 6])
+@pytest.mark.parametrize("shape", [(2, 6, 3, 700, 700), (2, 3, 3, 300, 900), (1, 6, 2, 900, 257)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_causal_head_groups_match_oracle(d, size, shape, monkeypatch):
+    monkeypatch.setattr(gf.schedule, "heads_per_group", forced_heads_per_group(size))
+    torch.manual_seed(hash((d, size) + shape) % 2**31)
+    check(*gpu_inputs(*shape, d, torch.bfloat16), causal=True)

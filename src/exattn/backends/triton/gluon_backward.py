@@ -61,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams, check_accumulators
+from . import schedule
 from .configs import tma_compatible
 from .gluon_forward import (
     CONSUMER_REGS,
@@ -70,9 +71,11 @@ from .gluon_forward import (
     as_box,
     box_layout,
     broadcast_reasons,
+    causal_heads_per_group,
     gluon_supports,
     key_tiles,
     load_partition,
+    longest_first,
     program_id_again,
     release,
     tile_descriptor,
@@ -150,19 +153,26 @@ def query_tiles(n0, len_q, len_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def key_block_of(pid, num_col_tiles, heads_per_group, CAUSAL: gl.constexpr):
+    """(b * Hk + hk, first key) of dK/dV program pid, in `longest_first` order (causal: the first
+    keys are seen by the most query tiles)."""
+    bhk, col_tile = longest_first(pid, num_col_tiles, heads_per_group, CAUSAL)
+    return bhk, col_tile * (2 * ROWS)
+
+
+@gluon.jit
 def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
-                        v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, len_q, len_q_pad, len_k,
-                        group, CAUSAL: gl.constexpr):
+                        v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
+                        len_q_pad, len_k, group, CAUSAL: gl.constexpr):
     """Producer warp: K, V once; then Q, lse and dO, delta of (head g, tile t) into slot j % STAGES."""
     kv_bar, q_ready, do_ready, empty = bars
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
-    pid = gl.program_id(0)
     heads_k = heads_q // group
-    b = pid // num_col_tiles // heads_k
-    hk = pid // num_col_tiles % heads_k
+    bhk, n0 = key_block_of(gl.program_id(0), num_col_tiles, heads_per_group, CAUSAL)
+    b = bhk // heads_k
+    hk = bhk % heads_k
     bh0 = b * heads_q + hk * group
-    n0 = (pid % num_col_tiles) * (2 * ROWS)
     lo, _, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
@@ -307,7 +317,7 @@ def resident_operand(smem, acc_layout: gl.constexpr, IN_REGISTERS: gl.constexpr)
 
 @gluon.jit
 def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars,
-                           DK, DV, dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
+                           DK, DV, dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
                            scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
                            IN_REGISTERS: gl.constexpr, dq_parts, ATOMIC_DQ: gl.constexpr):
     """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV (and with
@@ -318,7 +328,7 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    n0 = (gl.program_id(0) % num_col_tiles) * (2 * ROWS)
+    bhk, n0 = key_block_of(gl.program_id(0), num_col_tiles, heads_per_group, CAUSAL)
     lo, full, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
     first = n0 + half * ROWS
     dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
@@ -327,7 +337,6 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     mbarrier.wait(kv_bar, 0)
     k = resident_operand(k_smem.index(half), s_layout, IN_REGISTERS)
     v = resident_operand(v_smem.index(half), s_layout, IN_REGISTERS)
-    bhk = gl.program_id(0) // num_col_tiles
     for j in range(group * tiles):
         t = lo + j % tiles
         dq_target = (bhk // (heads_q // group), bhk % (heads_q // group) * group + j // tiles, t * BLOCK_M)
@@ -336,10 +345,9 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
                                  IN_REGISTERS, dq_parts, dq_target, half, ATOMIC_DQ)
     if ATOMIC_DQ:
         tma.store_wait(0)
-    pid = program_id_again()
-    first = (pid % num_col_tiles) * (2 * ROWS) + half * ROWS
+    bhk, n0 = key_block_of(program_id_again(), num_col_tiles, heads_per_group, CAUSAL)
+    first = n0 + half * ROWS
     heads_k = heads_q // group
-    bhk = pid // num_col_tiles
     b = (bhk // heads_k).to(gl.int64)
     hk = (bhk % heads_k).to(gl.int64)
     store_rows(DK + b * dk_strides[0] + hk * dk_strides[1], dk_strides[2], dk_strides[3], dk * scale, first,
@@ -351,7 +359,7 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
 @gluon.jit
 def gluon_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides,
-    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, dq_desc, scale_log2, scale,
+    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, scale_log2, scale,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
 ):
     """Grid: (num_col_tiles * B * Hk,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
@@ -402,13 +410,13 @@ def gluon_dkdv_kernel(
     # program id itself (values shared with the prologue would stay live across the sweep).
     gl.warp_specialize([
         (dkdv_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
-                                  dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
+                                  dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
                                   scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ)),
         (dkdv_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
-                                  dk_strides, dv_strides, heads_q, num_col_tiles, len_q, len_k, group,
+                                  dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
                                   scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
-                               v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, len_q, len_q_pad, len_k,
+                               v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q, len_q_pad, len_k,
                                group, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -449,7 +457,7 @@ def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k,
 
 @gluon.jit
 def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2,
-                         DELTA, DQ, dq_strides, heads_q, num_row_tiles, len_q, len_q_pad, len_k, scale_log2,
+                         DELTA, DQ, dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k, scale_log2,
                          scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr):
     """Consumer warpgroup `half`: rows m0 + 64*half + [0, 64); loads its dO half, writes its dQ rows."""
     q_bar = bars[0]
@@ -458,7 +466,7 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    b, heads, _, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, 1, 2 * ROWS, CAUSAL)
+    b, heads, _, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, 1, heads_per_group, 2 * ROWS, CAUSAL)
     bh = b * heads_q + heads
     first = m0 + half * ROWS
     mbarrier.expect(do_bar.index(half), do_desc.block_type.nbytes)
@@ -487,7 +495,7 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
 @gluon.jit
 def gluon_dq_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, dq_strides,
-    heads_q, group, len_q, len_q_pad, len_k, num_row_tiles, scale_log2, scale,
+    heads_q, group, len_q, len_q_pad, len_k, num_row_tiles, heads_per_group, scale_log2, scale,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
@@ -495,7 +503,7 @@ def gluon_dq_kernel(
 
     DQ: (B, Hq, Nq, D) in q's dtype, or float32 with ACCUMULATE. LSE2, DELTA as for `gluon_dkdv_kernel`.
     """
-    b, h, hk, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, group, 2 * ROWS, CAUSAL)
+    b, h, hk, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, group, heads_per_group, 2 * ROWS, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -527,10 +535,10 @@ def gluon_dq_kernel(
     # into run-time values inside the partitions.
     gl.warp_specialize([
         (dq_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
-                                dq_strides, heads_q, num_row_tiles, len_q, len_q_pad, len_k, scale_log2, scale,
+                                dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k, scale_log2, scale,
                                 CAUSAL, ACCUMULATE, IN_REGISTERS)),
         (dq_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
-                                dq_strides, heads_q, num_row_tiles, len_q, len_q_pad, len_k, scale_log2, scale,
+                                dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k, scale_log2, scale,
                                 CAUSAL, ACCUMULATE, IN_REGISTERS)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -619,30 +627,40 @@ def stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(stats, [stats.numel()], [1], [rows], box_layout((rows,), torch.float32))
 
 
-def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: GluonBackwardConfig,
+def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: GluonBackwardConfig, causal: bool,
                    dq_sum: torch.Tensor | None = None) -> tuple:
     """Positional arguments of `gluon_dkdv_kernel` before scale_log2, and its grid; dq_sum: the
     float32 dQ the kernel adds into (atomic_dq), or None."""
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
     col_tiles = triton.cdiv(len_k, 2 * ROWS.value)
+    order = 1
+    if causal:  # per K/V head: its group's Q and dO rows
+        costs = schedule.causal_key_costs(len_q, len_k, 2 * ROWS.value, cfg.dkdv_block_m)
+        qdo_bytes = 2 * len_q * dim * q.element_size() * (heads_q // heads_k)
+        order = causal_heads_per_group(costs, batch * heads_k, qdo_bytes, q.device)
     dq_desc = None if dq_sum is None else tile_descriptor(dq_sum, cfg.dkdv_block_m, dim // 2)
     args = (tile_descriptor(q, cfg.dkdv_block_m), tile_descriptor(dout, cfg.dkdv_block_m),
             tile_descriptor(k, ROWS.value), tile_descriptor(v, ROWS.value),
             stats_descriptor(lse2, cfg.dkdv_block_m), stats_descriptor(delta, cfg.dkdv_block_m),
             dk, dv, dk.stride(), dv.stride(), heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles,
-            dq_desc)
+            order, dq_desc)
     return args, grid_of(col_tiles, batch * heads_k)
 
 
-def dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad: int, cfg: GluonBackwardConfig) -> tuple:
+def dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad: int, cfg: GluonBackwardConfig, causal: bool) -> tuple:
     """Positional arguments of `gluon_dq_kernel` before scale_log2, and its grid."""
-    batch, heads_q, len_q, _ = q.shape
+    batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
     row_tiles = triton.cdiv(len_q, 2 * ROWS.value)
+    order = 1
+    if causal:  # per query head: its K and V rows
+        costs = schedule.causal_row_costs(len_q, len_k, 2 * ROWS.value, cfg.dq_block_n)
+        kv_bytes = 2 * len_k * dim * k.element_size() // (heads_q // heads_k)
+        order = causal_heads_per_group(costs, batch * heads_q, kv_bytes, q.device)
     args = (tile_descriptor(q, ROWS.value), tile_descriptor(k, cfg.dq_block_n), tile_descriptor(v, cfg.dq_block_n),
             tile_descriptor(dout, ROWS.value), lse2, delta, dq, dq.stride(), heads_q, heads_q // heads_k,
-            len_q, len_q_pad, len_k, row_tiles)
+            len_q, len_q_pad, len_k, row_tiles, order)
     return args, grid_of(row_tiles, batch * heads_q)
 
 
@@ -672,10 +690,10 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     if atomic_dq:
         adds_in_place = accumulate_into is not None and tma_compatible(dq)
         dq_sum = dq if adds_in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, dq_sum)
+    args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, options["CAUSAL"], dq_sum)
     gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, **options)
     if not atomic_dq:
-        args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg)
+        args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg, options["CAUSAL"])
         gluon_dq_kernel[grid](*args, *scalars, STAGES=cfg.dq_stages, **options)
     elif dq_sum is not dq:
         dq.add_(dq_sum) if accumulate_into is not None else dq.copy_(dq_sum)

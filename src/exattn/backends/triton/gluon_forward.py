@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams
+from . import schedule
 from .configs import interpreting, tma_compatible
 from .passes import on_device, scalar_args
 
@@ -163,20 +164,32 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, h
 
 
 @gluon.jit
-def tile_of(t, num_row_tiles, heads_q, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(b, h, hk, first row) of work tile t: the row blocks of one (b, h) after another (neighbouring
-    tiles share K/V in L2), longest causal rows first."""
-    tile_m = t % num_row_tiles
+def longest_first(t, tiles_per_head, heads_per_group, CAUSAL: gl.constexpr):
+    """(head, rank) of work tile t: head-major (neighbouring tiles share K/V in L2); causal: groups of
+    heads_per_group heads, each group's tiles rank-major, so every head's longest tile (rank 0) starts
+    before any of its shorter ones (`schedule.heads_per_group` sizes the groups)."""
+    head = t // tiles_per_head
+    rank = t % tiles_per_head
+    if CAUSAL:
+        local = t % (tiles_per_head * heads_per_group)
+        head = t // (tiles_per_head * heads_per_group) * heads_per_group + local % heads_per_group
+        rank = local // heads_per_group
+    return head, rank
+
+
+@gluon.jit
+def tile_of(t, num_row_tiles, heads_q, group, heads_per_group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(b, h, hk, first row) of work tile t in `longest_first` order (causal: the last rows see most keys)."""
+    bh, tile_m = longest_first(t, num_row_tiles, heads_per_group, CAUSAL)
     if CAUSAL:
         tile_m = num_row_tiles - 1 - tile_m
-    bh = t // num_row_tiles
     h = bh % heads_q
     return bh // heads_q, h, h // group, tile_m * BLOCK_M
 
 
 @gluon.jit
 def forward_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads, group,
-                           num_row_tiles, len_q, len_k, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                           num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                            PERSISTENT: gl.constexpr):
     """Producer warp: for each work tile of this program (PERSISTENT), or for tile program_id, its Q
     into a Q buffer (once the consumers stored the out it held), then its K/V through the ring."""
@@ -185,20 +198,20 @@ def forward_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars,
         for t in range(gl.program_id(0), num_row_tiles * batch_heads, gl.num_programs(0)):
             i = (t - gl.program_id(0)) // gl.num_programs(0)
             ring0 += load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0, heads_q,
-                               batch_heads, group, num_row_tiles, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)
+                               batch_heads, group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)
     else:
         load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, gl.program_id(0), 0, 0, heads_q, batch_heads,
-                  group, num_row_tiles, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)
+                  group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)
 
 
 @gluon.jit
 def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0, heads_q, batch_heads, group,
-              num_row_tiles, len_q, len_k, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+              num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
     """Work tile t, the i-th of this program: Q into buffer i % Q_BUFFERS, K/V from ring position ring0.
     Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
-    b, h, hk, m0 = tile_of(t, num_row_tiles, heads_q, group, CONSUMERS * ROWS, CAUSAL)
+    b, h, hk, m0 = tile_of(t, num_row_tiles, heads_q, group, heads_per_group, CONSUMERS * ROWS, CAUSAL)
     num_tiles, _ = key_tiles(m0, len_q, len_k, k_smem.shape[1], CAUSAL, CONSUMERS * ROWS)
     mbarrier.wait(q_empty.index(i % Q_BUFFERS), ((i // Q_BUFFERS) & 1) ^ 1)
     load_q(q_desc, q_smem, (i % Q_BUFFERS) * CONSUMERS, q_ready.index(i % Q_BUFFERS), b, h, m0, CONSUMERS)
@@ -354,7 +367,7 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
 
 @gluon.jit
 def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads,
-                      group, num_row_tiles, len_q, len_k, scale_log2, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                      group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       PERSISTENT: gl.constexpr):
     """Consumer warpgroup `half`: rows 64*half + [0, 64) of each work tile of this program (PERSISTENT),
     or of tile program_id, Q from the buffer the producer filled (two, alternating); the buffer is
@@ -365,21 +378,21 @@ def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, 
         for t in range(gl.program_id(0), num_row_tiles * batch_heads, gl.num_programs(0)):
             i = (t - gl.program_id(0)) // gl.num_programs(0)
             ring0 += attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, t, i, ring0, heads_q,
-                                 batch_heads, group, num_row_tiles, len_q, len_k, scale_log2, CONSUMERS, CAUSAL,
+                                 batch_heads, group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS, CAUSAL,
                                  PINGPONG, PERSISTENT)
     else:
         attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, gl.program_id(0), 0, 0, heads_q, batch_heads,
-                    group, num_row_tiles, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)
+                    group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)
 
 
 @gluon.jit
 def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, t, i, ring0, heads_q, batch_heads,
-                group, num_row_tiles, len_q, len_k, scale_log2, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                 PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Work tile t, the i-th of this program, its key tiles from ring position ring0: `attend_rows` with
     Q from buffer i % Q_BUFFERS, handed back after. Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
-    b, h, _, m0 = tile_of(t, num_row_tiles, heads_q, group, CONSUMERS * ROWS, CAUSAL)
+    b, h, _, m0 = tile_of(t, num_row_tiles, heads_q, group, heads_per_group, CONSUMERS * ROWS, CAUSAL)
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     wait_ready(q_ready, i, Q_BUFFERS)
     num_tiles = attend_rows(half, q_smem.index((i % Q_BUFFERS) * CONSUMERS + half), k_smem, v_smem, bars, o_desc, LSE,
@@ -390,12 +403,13 @@ def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, t
 
 @gluon.jit
 def gluon_forward_kernel(
-    q_desc, k_desc, v_desc, o_desc, LSE, heads_q, batch_heads, group, len_q, len_k, num_row_tiles, scale_log2,
+    q_desc, k_desc, v_desc, o_desc, LSE, heads_q, batch_heads, group, len_q, len_k, num_row_tiles, heads_per_group,
+    scale_log2,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
     """Grid: (programs,): one per work tile, or (PERSISTENT) fewer, each striding over the
-    num_row_tiles * B * Hq work tiles (`tile_of`).
+    num_row_tiles * B * Hq work tiles (`tile_of`; heads_per_group: the causal order's group size).
     Descriptors (`tile_descriptor`): q, o (B, Hq, Nq, D) with [1, 1, 64, D] boxes, k, v (B, Hk, Nk, D)
     with [1, 1, BLOCK_N, D] boxes; o in q's dtype. LSE: contiguous (B, Hq, Nq) float32, natural log.
     """
@@ -433,22 +447,22 @@ def gluon_forward_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
             (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
             (forward_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads,
-                                      group, num_row_tiles, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)),
+                                      group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
             (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
             (compute_partition, (2, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
             (forward_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads,
-                                      group, num_row_tiles, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)),
+                                      group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -551,9 +565,14 @@ def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, progra
     work = row_tiles * batch * heads_q
     if programs is None:
         programs = min(work, multiprocessor_count(q.device)) if persistent_grid(cfg, causal) else work
+    order = 1
+    if causal:
+        costs = schedule.causal_row_costs(len_q, len_k, cfg.consumers * ROWS.value, cfg.block_n)
+        kv_bytes = 2 * len_k * dim * k.element_size() // (heads_q // heads_k)  # per query head
+        order = causal_heads_per_group(costs, batch * heads_q, kv_bytes, q.device)
     args = (tile_descriptor(q, ROWS.value), tile_descriptor(k, cfg.block_n), tile_descriptor(v, cfg.block_n),
             tile_descriptor(out, ROWS.value), lse, heads_q, batch * heads_q, heads_q // heads_k, len_q, len_k,
-            row_tiles, scale_log2)
+            row_tiles, order, scale_log2)
     return args, (programs,)
 
 
@@ -564,6 +583,14 @@ def device_multiprocessors(index: int) -> int:
 
 def multiprocessor_count(device: torch.device) -> int:
     return device_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def causal_heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, head_bytes: int,
+                           device: torch.device) -> int:
+    """`schedule.heads_per_group` for this device's SMs (1, head-major, off CUDA: compile tests)."""
+    if device.type != "cuda":
+        return 1
+    return schedule.heads_per_group(rank_costs, batch_heads, multiprocessor_count(device), head_bytes)
 
 
 def persistent_grid(cfg: GluonConfig, causal: bool) -> bool:

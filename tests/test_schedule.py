@@ -1,0 +1,69 @@
+"""The causal work-tile order (`exattn.backends.triton.schedule`): tile costs against the masks,
+and the group size against the list schedule it is chosen by."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exattn.backends.triton import schedule
+
+GEOMETRIES = [(300, 300, 64, 128), (1000, 1000, 128, 128), (257, 900, 128, 64), (900, 257, 192, 128),
+              (1, 300, 128, 128), (64, 64, 64, 128)]
+
+
+def seen(len_q, len_k):
+    """Bottom-right causal: query i sees key j iff j <= i + Nk - Nq."""
+    return torch.arange(len_k)[None, :] <= torch.arange(len_q)[:, None] + (len_k - len_q)
+
+
+@pytest.mark.parametrize("len_q,len_k,block_m,block_n", GEOMETRIES)
+def test_row_costs_count_key_tiles_up_to_the_last_seen_key(len_q, len_k, block_m, block_n):
+    allowed = seen(len_q, len_k)
+    expected = []
+    for start in range(0, len_q, block_m):
+        cols = allowed[start:start + block_m].any(0).nonzero()
+        expected.append(0 if len(cols) == 0 else int(cols.max()) // block_n + 1)
+    assert schedule.causal_row_costs(len_q, len_k, block_m, block_n) == tuple(reversed(expected))
+
+
+@pytest.mark.parametrize("len_q,len_k,block_m,block_n", GEOMETRIES)
+def test_key_costs_count_query_tiles_from_the_first_that_sees_them(len_q, len_k, block_m, block_n):
+    allowed = seen(len_q, len_k)
+    tiles = -(-len_q // block_m)
+    expected = []
+    for start in range(0, len_k, block_n):
+        rows = allowed[:, start:start + block_n].any(1).nonzero()
+        expected.append(0 if len(rows) == 0 else tiles - int(rows.min()) // block_m)
+    assert schedule.causal_key_costs(len_q, len_k, block_n, block_m) == tuple(expected)
+
+
+def test_makespan_is_list_scheduling_in_order():
+    overhead = schedule.TILE_OVERHEAD
+    assert schedule.makespan([5, 1, 1, 1], 2) == 5 + overhead  # the short ones share the other SM
+    assert schedule.makespan([1, 1, 1, 5], 2) == 1 + 5 + 2 * overhead  # the long one starts last
+    assert schedule.makespan([3, 3], 8) == 3 + overhead
+    assert schedule.makespan([], 4) == 0
+
+
+def test_grouped_costs_run_each_groups_heads_rank_major():
+    assert schedule.grouped_costs((3, 2, 1), 4, 2) == [3, 3, 2, 2, 1, 1] * 2
+    assert schedule.grouped_costs((3, 2, 1), 2, 1) == [3, 2, 1, 3, 2, 1]
+
+
+@pytest.mark.parametrize("len_q,heads,programs", [(4096, 64, 132), (2048, 128, 132), (8192, 32, 132)])
+def test_head_groups_shorten_the_causal_tail(len_q, heads, programs):
+    costs = schedule.causal_row_costs(len_q, len_q, 128, 128)
+    size = schedule.heads_per_group(costs, heads, programs, 1 << 20)
+    assert heads % size == 0 and size > 1
+    grouped = schedule.makespan(schedule.grouped_costs(costs, heads, size), programs)
+    head_major = schedule.makespan(schedule.grouped_costs(costs, heads, 1), programs)
+    ideal = sum(cost + schedule.TILE_OVERHEAD for cost in costs) * heads / programs
+    assert grouped < head_major and grouped <= 1.03 * ideal, (grouped, head_major, ideal)
+
+
+def test_head_groups_respect_the_l2_share_and_huge_grids():
+    costs = schedule.causal_row_costs(4096, 4096, 128, 128)
+    assert schedule.heads_per_group(costs, 64, 132, schedule.L2_SHARE) == 1  # one head fills the share
+    many = schedule.MAX_SIMULATED_TILES // len(costs) + 1
+    assert schedule.heads_per_group(costs, many, 132, 1) == 1
