@@ -118,7 +118,7 @@ def async_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def store_rows(ptr, row_stride, col_stride, x, first_row, n_rows, ACCUMULATE: gl.constexpr):
-    """x into rows first_row + [0, R) (those < n_rows) of ptr; with ACCUMULATE added to the float32 there."""
+    """x into rows first_row + [0, R) (those in [0, n_rows)) of ptr; with ACCUMULATE added to the float32 there."""
     R: gl.constexpr = x.shape[0]
     C: gl.constexpr = x.shape[1]
     layout: gl.constexpr = x.type.layout
@@ -126,7 +126,7 @@ def store_rows(ptr, row_stride, col_stride, x, first_row, n_rows, ACCUMULATE: gl
     dims = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     offs = (gl.expand_dims(rows.to(gl.int64) * row_stride, 1)
             + gl.expand_dims(dims.to(gl.int64) * col_stride, 0))
-    inside = gl.expand_dims(rows < n_rows, 1) & gl.expand_dims(dims < C, 0)
+    inside = gl.expand_dims((rows >= 0) & (rows < n_rows), 1) & gl.expand_dims(dims < C, 0)
     if ACCUMULATE:
         x = x + gl.load(ptr + offs, mask=inside, other=0.0)
     gl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=inside)
@@ -466,14 +466,14 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    b, heads, _, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, 1, heads_per_group, 2 * ROWS, CAUSAL)
+    b, heads, _, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, 1, heads_per_group, len_q, 2 * ROWS, CAUSAL)
     bh = b * heads_q + heads
     first = m0 + half * ROWS
     mbarrier.expect(do_bar.index(half), do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(do_desc, [b, heads, first, 0], do_bar.index(half),
+    tma.async_copy_global_to_shared(do_desc, [b, heads, gl.maximum(first, 0), 0], do_bar.index(half),
                                     as_box(do_smem.index(half), do_desc))
     rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    inside = rows < len_q
+    inside = (rows >= 0) & (rows < len_q)
     lse2 = gl.load(LSE2 + (bh.to(gl.int64) * len_q_pad + rows), mask=inside, other=float("inf"))
     delta = gl.load(DELTA + (bh.to(gl.int64) * len_q_pad + rows), mask=inside, other=0.0)
     num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
@@ -503,7 +503,7 @@ def gluon_dq_kernel(
 
     DQ: (B, Hq, Nq, D) in q's dtype, or float32 with ACCUMULATE. LSE2, DELTA as for `gluon_dkdv_kernel`.
     """
-    b, h, hk, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, group, heads_per_group, 2 * ROWS, CAUSAL)
+    b, h, hk, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, group, heads_per_group, len_q, 2 * ROWS, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]

@@ -147,10 +147,11 @@ def load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
 
 @gluon.jit
 def load_q(q_desc, q_smem, first_slot, ready, b, h, m0, BLOCKS: gl.constexpr):
-    """BLOCKS row blocks of 64 from m0 of (b, h) into slots first_slot, ..., onto one barrier."""
+    """BLOCKS row blocks of 64 from m0 of (b, h) into slots first_slot, ..., onto one barrier (a block
+    before row 0, `tile_of`'s padding, loads row 0's)."""
     mbarrier.expect(ready, BLOCKS * q_desc.block_type.nbytes)
     for half in gl.static_range(BLOCKS):
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * ROWS, 0], ready,
+        tma.async_copy_global_to_shared(q_desc, [b, h, gl.maximum(m0 + half * ROWS, 0), 0], ready,
                                         as_box(q_smem.index(first_slot + half), q_desc))
 
 
@@ -178,13 +179,17 @@ def longest_first(t, tiles_per_head, heads_per_group, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def tile_of(t, num_row_tiles, heads_q, group, heads_per_group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(b, h, hk, first row) of work tile t in `longest_first` order (causal: the last rows see most keys)."""
+def tile_of(t, num_row_tiles, heads_q, group, heads_per_group, len_q, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(b, h, hk, first row) of work tile t in `longest_first` order. Causal: the last rows see most
+    keys, and the tiles are shifted back by whole 64-row blocks towards row len_q, so the padding of
+    a ragged tile sits in the first tile, where it costs least (its blocks before row 0 load row 0's
+    block, are masked, and store nothing)."""
     bh, tile_m = longest_first(t, num_row_tiles, heads_per_group, CAUSAL)
+    first = tile_m * BLOCK_M
     if CAUSAL:
-        tile_m = num_row_tiles - 1 - tile_m
+        first = (num_row_tiles - 1 - tile_m) * BLOCK_M - (num_row_tiles * BLOCK_M - len_q) // ROWS * ROWS
     h = bh % heads_q
-    return bh // heads_q, h, h // group, tile_m * BLOCK_M
+    return bh // heads_q, h, h // group, first
 
 
 @gluon.jit
@@ -211,7 +216,7 @@ def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0,
     Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
-    b, h, hk, m0 = tile_of(t, num_row_tiles, heads_q, group, heads_per_group, CONSUMERS * ROWS, CAUSAL)
+    b, h, hk, m0 = tile_of(t, num_row_tiles, heads_q, group, heads_per_group, len_q, CONSUMERS * ROWS, CAUSAL)
     num_tiles, _ = key_tiles(m0, len_q, len_k, k_smem.shape[1], CAUSAL, CONSUMERS * ROWS)
     mbarrier.wait(q_empty.index(i % Q_BUFFERS), ((i // Q_BUFFERS) & 1) ^ 1)
     load_q(q_desc, q_smem, (i % Q_BUFFERS) * CONSUMERS, q_ready.index(i % Q_BUFFERS), b, h, m0, CONSUMERS)
@@ -355,12 +360,13 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
     has_mass = l_i != 0.0  # NaN counts as mass, so NaN propagates
     safe_l = gl.where(has_mass, l_i, 1.0)
     lse = gl.where(has_mass, (m_i * scale_log2 + gl.log2(safe_l)) * LN2, float("-inf"))
-    gl.store(LSE + (b * heads_q + h).to(gl.int64) * len_q + rows, lse, mask=rows < len_q)
+    gl.store(LSE + (b * heads_q + h).to(gl.int64) * len_q + rows, lse, mask=(rows >= 0) & (rows < len_q))
     inv_l = gl.convert_layout(gl.where(has_mass, 1.0 / safe_l, 0.0), gl.SliceLayout(1, o_layout))
     o_smem = q  # Q's slot is free once the last S wgmma is done
     o_smem.store((acc * gl.expand_dims(inv_l, 1)).to(o_smem.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, m0 + half * ROWS, 0], as_box(o_smem, o_desc))
+    if m0 + half * ROWS >= 0:  # not a causal tile's padding block (`tile_of`)
+        tma.async_copy_shared_to_global(o_desc, [b, h, m0 + half * ROWS, 0], as_box(o_smem, o_desc))
     tma.store_wait(0)
     return num_tiles
 
@@ -392,7 +398,7 @@ def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, t
     """Work tile t, the i-th of this program, its key tiles from ring position ring0: `attend_rows` with
     Q from buffer i % Q_BUFFERS, handed back after. Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
-    b, h, _, m0 = tile_of(t, num_row_tiles, heads_q, group, heads_per_group, CONSUMERS * ROWS, CAUSAL)
+    b, h, _, m0 = tile_of(t, num_row_tiles, heads_q, group, heads_per_group, len_q, CONSUMERS * ROWS, CAUSAL)
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     wait_ready(q_ready, i, Q_BUFFERS)
     num_tiles = attend_rows(half, q_smem.index((i % Q_BUFFERS) * CONSUMERS + half), k_smem, v_smem, bars, o_desc, LSE,
