@@ -427,12 +427,12 @@ def test_triton_backend_dispatches_backward_to_gluon(causal, d, atomic_dq, monke
         monkeypatch.setitem(backend.GLUON_BACKWARD_MIN_LEN, d, 333)  # this test's query length
     monkeypatch.setattr(settings, "atomic_dq", atomic_dq)
     calls = []
-    real = gb.gluon_backward
+    real = gb.run_gluon_backward
 
     def spy(*args):
         calls.append(args[8])  # atomic_dq as the dispatch passed it
         return real(*args)
-    monkeypatch.setattr(gb, "gluon_backward", spy)
+    monkeypatch.setattr(gb, "run_gluon_backward", spy)
     torch.manual_seed(8)
     q, k, v, dout = (x.requires_grad_() for x in gpu_inputs(2, 4, 2, 333, 515, d, torch.bfloat16, with_dout=True))
     dout = dout.detach()

@@ -264,3 +264,16 @@ def test_backward_accumulates_into_float32_buffers(monkeypatch, backend_name, dt
         untouched = init._base.clone()
         untouched[:, 1:, 2:2 + acc.shape[2], 3:3 + acc.shape[3]] = 0
         assert torch.equal(outside, untouched), f"{name}: wrote outside its view"
+
+
+def test_hopper_reads_the_cached_capability(monkeypatch):
+    from types import SimpleNamespace
+
+    from exattn.backends.triton import configs, passes
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(configs, "device_capability", lambda index: (9, 0))
+    assert passes.hopper(on_gpu)
+    monkeypatch.setattr(configs, "device_capability", lambda index: (8, 0))
+    assert not passes.hopper(on_gpu)

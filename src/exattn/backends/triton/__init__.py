@@ -18,16 +18,17 @@ import torch
 
 from ...problem import AttentionParams, AttentionProblem
 from ..autograd import RecomputingAttention
-from .configs import MAX_HEAD_DIM, interpreting, tile_problems
+from .configs import MAX_HEAD_DIM, capability_of, interpreting, tile_problems
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Where the Gluon kernels beat the Triton ones on the H200: head dim -> shortest query
 # length (benchmarks/results/gluon-forward-h200*.json, gluon-backward-h200.json and the
 # prefill tables in docs/performance.md). Forward: 1.29-1.37x at d = 128 from 1k; at
-# d = 64 1.01-1.23x from 4k (0.99x bf16 causal 4k), but its 192-row tiles lose below
-# that (causal 1k: 150 vs 225 TFLOP/s). Backward: 1.06-1.10x at d = 128 from 2k, but
-# causal 1k 141 vs 242; at d = 64 1.06-1.17x from 4k (gluon-backward-h200-d64-in-registers.json).
-GLUON_FORWARD_MIN_LEN = {64: 4096, 128: 1}
+# d = 64 1.01-1.23x from 4k and, since causal tiles end at row Nq and run in head groups,
+# 1.03-1.15x at 1k-2k (gluon-forward-h200-d64-short.json). Backward: 1.06-1.10x at d = 128
+# from 2k, but causal 1k 141 vs 242; at d = 64 1.06-1.17x from 4k
+# (gluon-backward-h200-d64-in-registers.json).
+GLUON_FORWARD_MIN_LEN = {64: 1, 128: 1}
 GLUON_BACKWARD_MIN_LEN = {64: 4096, 128: 2048}
 GLUON_HEAD_DIMS = tuple(GLUON_FORWARD_MIN_LEN)
 GLUON_BACKWARD_HEAD_DIMS = tuple(GLUON_BACKWARD_MIN_LEN)
@@ -52,7 +53,7 @@ def device_reasons(device: torch.device) -> list[str]:
         return [f"device {device} is not a CUDA device"]
     if interpreting():
         return []
-    capability = torch.cuda.get_device_capability(device)
+    capability = capability_of(device)
     if capability < MIN_CAPABILITY:
         return [f"GPU compute capability {capability} is below {MIN_CAPABILITY}"]
     return []
@@ -99,10 +100,10 @@ def triton_forward(q, k, v, mask, params: AttentionParams):
 
     if (settings.use_gluon and q.is_cuda and gluon_length_ok(GLUON_FORWARD_MIN_LEN, q.shape[-1], q.shape[2])
             and gluon_written_for_this_triton()):
-        from .gluon_forward import gluon_forward, gluon_supports
+        from .gluon_forward import gluon_supports, run_gluon_forward
 
         if not gluon_supports(q, k, v, mask, params):
-            return gluon_forward(q, k, v, params)
+            return run_gluon_forward(q, k, v, params)
     return run(q, k, v, mask, params)
 
 
@@ -122,7 +123,7 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
 
         atomic = settings.atomic_dq and q.shape[-1] in gb.ATOMIC_CONFIGS
         if not gb.gluon_backward_supports(q, k, v, mask, params, dout, atomic):
-            return gb.gluon_backward(dout, q, k, v, out, lse, params, accumulate_into, atomic)
+            return gb.run_gluon_backward(dout, q, k, v, out, lse, params, accumulate_into, atomic)
     return run(dout, q, k, v, mask, out, lse, params, accumulate_into)
 
 

@@ -9,6 +9,7 @@ pipeline depth then shrinks until the tiles fit in shared memory.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -45,6 +46,16 @@ class BackwardConfig:
 
     dkdv: TileConfig
     dq: TileConfig
+
+
+@functools.cache
+def device_capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device `index` (cached: it is on every launch's host path)."""
+    return torch.cuda.get_device_capability(index)
+
+
+def capability_of(device: torch.device) -> tuple[int, int]:
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def interpreting() -> bool:

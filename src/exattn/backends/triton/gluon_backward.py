@@ -578,6 +578,11 @@ def gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_
     reasons = gluon_backward_supports(q, k, v, None, params, dout, atomic_dq)
     if reasons:
         raise ValueError("gluon_backward cannot serve these inputs: " + "; ".join(reasons))
+    return run_gluon_backward(dout, q, k, v, out, lse, params, accumulate_into, atomic_dq)
+
+
+def run_gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into=None, atomic_dq=False):
+    """`gluon_backward` for inputs already checked with `gluon_backward_supports`."""
     accumulate_into = check_accumulators(accumulate_into, q, k, v)
     with on_device(q):
         return launch(dout, q, k, v, out, lse, params, accumulate_into, atomic_dq)

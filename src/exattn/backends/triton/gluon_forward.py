@@ -47,7 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams
 from . import schedule
-from .configs import interpreting, tma_compatible
+from .configs import capability_of, interpreting, tma_compatible
 from .passes import on_device, scalar_args
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
@@ -515,8 +515,8 @@ def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
         reasons.append("TRITON_INTERPRET=1 is set: Gluon kernels do not run in Triton's interpreter")
     elif q.device.type != "cuda":
         reasons.append(f"needs CUDA tensors on an sm_90 GPU, got device {q.device}")
-    elif torch.cuda.get_device_capability(q.device) != (9, 0):
-        capability = torch.cuda.get_device_capability(q.device)
+    elif capability_of(q.device) != (9, 0):
+        capability = capability_of(q.device)
         reasons.append(f"needs an sm_90 GPU (wgmma), got compute capability {capability}")
     if q.dtype not in DTYPES:
         reasons.append(f"dtype {q.dtype} is not float16 or bfloat16")
@@ -544,6 +544,11 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Att
     reasons = gluon_supports(q, k, v, None, params)
     if reasons:
         raise ValueError("gluon_forward cannot serve these inputs: " + "; ".join(reasons))
+    return run_gluon_forward(q, k, v, params)
+
+
+def run_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
+    """`gluon_forward` for inputs already checked with `gluon_supports`."""
     with on_device(q):
         return launch(q, k, v, params)
 

@@ -20,7 +20,7 @@ import triton
 
 from ...problem import UNBOUNDED, AttentionParams, check_accumulators
 from .backward_kernel import attention_delta_kernel, attention_dkdv_kernel, attention_dq_kernel
-from .configs import TileConfig, choose_config, interpreting, padded_dim, tma_compatible
+from .configs import TileConfig, capability_of, choose_config, interpreting, padded_dim, tma_compatible
 from .forward_kernel import attention_forward_kernel
 
 LOG2E = 1.4426950408889634
@@ -70,7 +70,7 @@ def hopper(x: torch.Tensor) -> bool:
     """A CUDA tensor on sm_90 or newer (TMA, warp specialization); False in the interpreter."""
     if interpreting() or x.device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 9
+    return capability_of(x.device)[0] >= 9
 
 
 def can_use_tma(*tensors: torch.Tensor) -> bool:

@@ -52,6 +52,7 @@ def heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, programs: int
     return min(g for g, span in spans.items() if span <= best * 1.005)
 
 
+@functools.lru_cache(maxsize=512)
 def causal_row_costs(len_q: int, len_k: int, block_m: int, block_n: int) -> tuple[int, ...]:
     """Key tiles that each block_m query row tile sees under bottom-right causal, longest first
     (the kernels' `key_tiles`)."""
@@ -63,6 +64,7 @@ def causal_row_costs(len_q: int, len_k: int, block_m: int, block_n: int) -> tupl
     return tuple(costs)
 
 
+@functools.lru_cache(maxsize=512)
 def causal_key_costs(len_q: int, len_k: int, block_n: int, block_m: int) -> tuple[int, ...]:
     """Query tiles that see each block_n key tile under bottom-right causal, first keys first (the
     Gluon dK/dV kernel's `query_tiles`)."""
