@@ -262,6 +262,24 @@ def test_backward_refuses_cpu_inputs_naming_the_device(interpret, words, monkeyp
         gb.gluon_backward(q, q, k, v, q, lse, params)
 
 
+def test_checked_entry_points_pass_everything_to_the_launch(monkeypatch):
+    """run_gluon_forward / run_gluon_backward (the dispatch's entry, after its own support check)."""
+    q, k, v = cpu_inputs()
+    params = AttentionParams(scale=0.125, window=(-1, 0))
+    seen = {}
+    monkeypatch.setattr(gf, "launch", lambda *args: seen.setdefault("forward", args))
+    monkeypatch.setattr(gb, "launch", lambda *args: seen.setdefault("backward", args))
+    lse = torch.zeros(q.shape[:3])
+    sums = tuple(torch.zeros(x.shape) for x in (q, k, v))
+    gf.run_gluon_forward(q, k, v, params)
+    gb.run_gluon_backward(q, q, k, v, q, lse, params, sums, True)
+    assert seen["forward"] == (q, k, v, params)
+    assert seen["backward"][:7] == (q, q, k, v, q, lse, params) and seen["backward"][8] is True
+    assert all(a is b for a, b in zip(seen["backward"][7], sums))
+    with pytest.raises(ValueError, match="float32"):
+        gb.run_gluon_backward(q, q, k, v, q, lse, params, tuple(x.clone() for x in (q, k, v)))
+
+
 # ---------------------------------------------------------------- GPU
 
 def params_for(d, causal):
