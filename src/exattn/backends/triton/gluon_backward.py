@@ -416,8 +416,8 @@ def gluon_dkdv_kernel(
                                   dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
                                   scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
-                               v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q, len_q_pad, len_k,
-                               group, CAUSAL)),
+                               v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
+                               len_q_pad, len_k, group, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -457,8 +457,8 @@ def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k,
 
 @gluon.jit
 def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2,
-                         DELTA, DQ, dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k, scale_log2,
-                         scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr):
+                         DELTA, DQ, dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k,
+                         scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr):
     """Consumer warpgroup `half`: rows m0 + 64*half + [0, 64); loads its dO half, writes its dQ rows."""
     q_bar = bars[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -535,11 +535,11 @@ def gluon_dq_kernel(
     # into run-time values inside the partitions.
     gl.warp_specialize([
         (dq_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
-                                dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k, scale_log2, scale,
-                                CAUSAL, ACCUMULATE, IN_REGISTERS)),
+                                dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k,
+                                scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS)),
         (dq_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
-                                dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k, scale_log2, scale,
-                                CAUSAL, ACCUMULATE, IN_REGISTERS)),
+                                dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k,
+                                scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 

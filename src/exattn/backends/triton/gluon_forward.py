@@ -203,7 +203,8 @@ def forward_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars,
         for t in range(gl.program_id(0), num_row_tiles * batch_heads, gl.num_programs(0)):
             i = (t - gl.program_id(0)) // gl.num_programs(0)
             ring0 += load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0, heads_q,
-                               batch_heads, group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)
+                               batch_heads, group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL,
+                               PERSISTENT)
     else:
         load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, gl.program_id(0), 0, 0, heads_q, batch_heads,
                   group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)
@@ -211,7 +212,8 @@ def forward_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars,
 
 @gluon.jit
 def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0, heads_q, batch_heads, group,
-              num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+              num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              PERSISTENT: gl.constexpr):
     """Work tile t, the i-th of this program: Q into buffer i % Q_BUFFERS, K/V from ring position ring0.
     Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
@@ -373,8 +375,8 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
 
 @gluon.jit
 def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads,
-                      group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
+                      group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL: gl.constexpr,
+                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warpgroup `half`: rows 64*half + [0, 64) of each work tile of this program (PERSISTENT),
     or of tile program_id, Q from the buffer the producer filled (two, alternating); the buffer is
     handed back once the out is stored."""
@@ -384,17 +386,18 @@ def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, 
         for t in range(gl.program_id(0), num_row_tiles * batch_heads, gl.num_programs(0)):
             i = (t - gl.program_id(0)) // gl.num_programs(0)
             ring0 += attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, t, i, ring0, heads_q,
-                                 batch_heads, group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS, CAUSAL,
-                                 PINGPONG, PERSISTENT)
+                                 batch_heads, group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2,
+                                 CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)
     else:
         attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, gl.program_id(0), 0, 0, heads_q, batch_heads,
-                    group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)
+                    group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG,
+                    PERSISTENT)
 
 
 @gluon.jit
 def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, t, i, ring0, heads_q, batch_heads,
-                group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+                group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS: gl.constexpr,
+                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Work tile t, the i-th of this program, its key tiles from ring position ring0: `attend_rows` with
     Q from buffer i % Q_BUFFERS, handed back after. Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
@@ -453,22 +456,29 @@ def gluon_forward_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
+                                 PERSISTENT)),
             (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
+                                 PERSISTENT)),
             (forward_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads,
-                                      group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)),
+                                      group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL,
+                                      PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
+                                 PERSISTENT)),
             (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
+                                 PERSISTENT)),
             (compute_partition, (2, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG, PERSISTENT)),
+                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
+                                 PERSISTENT)),
             (forward_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads,
-                                      group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)),
+                                      group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL,
+                                      PERSISTENT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
