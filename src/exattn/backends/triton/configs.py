@@ -54,8 +54,13 @@ def device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of `device` (the current device when it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def capability_of(device: torch.device) -> tuple[int, int]:
-    return device_capability(device.index if device.index is not None else torch.cuda.current_device())
+    return device_capability(device_index(device))
 
 
 def interpreting() -> bool:

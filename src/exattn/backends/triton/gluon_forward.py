@@ -47,7 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams
 from . import schedule
-from .configs import capability_of, interpreting, tma_compatible
+from .configs import capability_of, device_index, interpreting, tma_compatible
 from .passes import on_device, scalar_args
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
@@ -603,7 +603,7 @@ def device_multiprocessors(index: int) -> int:
 
 
 def multiprocessor_count(device: torch.device) -> int:
-    return device_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return device_multiprocessors(device_index(device))
 
 
 def causal_heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, head_bytes: int,
