@@ -10,7 +10,8 @@
 # there: PYTHONPATH=src). Logs and JSON go to $OUT (the device tool's folder,
 # default /tmp/exattn-gpu) and results to benchmarks/results/. GPU tests run
 # in parallel workers (pytest-xdist) so kernel compilation overlaps.
-# GPU_TESTS overrides which test paths run (default: every test marked gpu; "none": no tests).
+# GPU_TESTS overrides which test paths run (default: every test marked gpu; "none": no tests);
+# GPU_TEST_TIMEOUT (seconds, default 900) bounds them.
 set -u
 MODE=${1:-full}
 OUT=${OUT:-/tmp/exattn-gpu}
@@ -28,8 +29,9 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
 TESTS=${GPU_TESTS:-tests}
 if [ "$TESTS" != none ]; then
     stamp "pytest -m gpu"
-    python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 12 --durations=8 $TESTS \
-        > "$OUT/pytest-gpu.log" 2>&1
+    # a kernel that hangs (a semaphore wait that never ends) must not eat the device call
+    timeout "${GPU_TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 14 \
+        --durations=8 $TESTS > "$OUT/pytest-gpu.log" 2>&1
     echo "pytest exit $?" >> "$OUT/pytest-gpu.log"
     tail -25 "$OUT/pytest-gpu.log"
 fi

@@ -53,15 +53,15 @@ CONFIG_IDS = ["shipped", *CANDIDATES]
 
 
 def config_for(dim: int, config_id: str) -> gb.GluonBackwardConfig:
-    if config_id == "atomic":
+    if config_id in ("atomic", "ordered"):
         return gb.ATOMIC_CONFIGS[dim]
     return gb.CONFIGS[dim] if config_id == "shipped" else CANDIDATES[config_id]
 
 
-def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, cfg, atomic: bool = False) -> tuple:
+def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, cfg, dq_mode: str = "kernel") -> tuple:
     """(positional arguments, constexprs) as `gluon_backward.launch` passes them, built from CPU
-    tensors (contiguous, (B, N, H, D) memory for the float32 accumulators); atomic: the dK/dV
-    kernel with a float32 dQ to add into."""
+    tensors (contiguous, (B, N, H, D) memory for the float32 accumulators); dq_mode "atomic": the
+    dK/dV kernel with a float32 dQ to add into, "ordered": also with its semaphores."""
     q, k, v = (torch.empty(2, heads, 300, dim, dtype=dtype) for heads in (4, 2, 2))
     if accumulate:
         dq, dk, dv = (torch.empty(2, 300, x.shape[1], dim).transpose(1, 2) for x in (q, k, v))
@@ -70,8 +70,9 @@ def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, 
     pad = gb.padded_rows(300, cfg)
     lse2 = delta = torch.empty(8, pad)
     if kind == "dkdv":
-        dq_sum = torch.empty(q.shape) if atomic else None
-        args, _ = gb.dkdv_arguments(q, q, k, v, lse2, delta, dk, dv, pad, cfg, False, dq_sum)
+        dq_sum = torch.empty(q.shape) if dq_mode != "kernel" else None
+        semaphores = torch.empty(8, pad // cfg.dkdv_block_m, 2, dtype=torch.int32) if dq_mode == "ordered" else None
+        args, _ = gb.dkdv_arguments(q, q, k, v, lse2, delta, dk, dv, pad, cfg, False, dq_sum, semaphores)
         stages = cfg.dkdv_stages
     else:
         args, _ = gb.dq_arguments(q, q, k, v, lse2, delta, dq, pad, cfg, False)
@@ -83,7 +84,8 @@ def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accu
                      config_id: str = "shipped"):
     """One kernel as `gluon_backward` launches it, compiled for sm_90a."""
     kernel = KERNELS[kind]
-    args, consts = launch_arguments(kind, dim, dtype, accumulate, config_for(dim, config_id), config_id == "atomic")
+    dq_mode = config_id if config_id in ("atomic", "ordered") else "kernel"
+    args, consts = launch_arguments(kind, dim, dtype, accumulate, config_for(dim, config_id), dq_mode)
     consts["CAUSAL"] = causal
     options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}
     signature, constexprs = {}, dict(consts)
@@ -91,7 +93,7 @@ def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accu
         if name in consts:
             signature[name] = "constexpr"
         elif isinstance(arg, torch.Tensor):
-            signature[name] = "*" + ("fp32" if arg.dtype == torch.float32 else TYPE_NAMES[arg.dtype])
+            signature[name] = "*" + {torch.float32: "fp32", torch.int32: "i32"}.get(arg.dtype, TYPE_NAMES.get(arg.dtype))
         elif isinstance(arg, tuple):
             signature[name] = ("i64", "i64", "i64", "constexpr")
             constexprs[(i, 3)] = 1
@@ -114,15 +116,19 @@ def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accu
     ("dq", 128, True, torch.float16, True, "shipped"), ("dq", 64, True, torch.float16, True, "shipped"),
     *[(kind, 64, True, torch.bfloat16, accumulate, config_id) for config_id in CANDIDATES
       for kind in KERNELS for accumulate in (False, True)],
-    *[("dkdv", dim, causal, torch.bfloat16, False, "atomic") for dim in gb.ATOMIC_CONFIGS for causal in (False, True)],
+    *[("dkdv", dim, causal, torch.bfloat16, False, mode) for dim in gb.ATOMIC_CONFIGS for causal in (False, True)
+      for mode in ("atomic", "ordered")],
     ("dkdv", 128, True, torch.float16, True, "atomic"),
 ])
 def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, config_id, tmp_path):
     kernel = compile_for_sm90(kind, dim, causal, dtype, accumulate, config_id)
     usage = resource_usage(kernel, tmp_path)
     # dK/dV, causal, d = 128: ptxas parks scalars in 8 bytes of stack (atomic: two of the diagonal
-    # mask, reloaded on diagonal tiles only; deterministic: one, stored before the sweep, reloaded after)
+    # mask, reloaded on diagonal tiles only; deterministic: one, stored before the sweep, reloaded after);
+    # ordered: the semaphore indices and rank inputs as well (72 bytes; a few local loads per step)
     stack = 8 if (kind, dim, causal) == ("dkdv", 128, True) else 0
+    if (kind, dim, causal, config_id) == ("dkdv", 128, True, "ordered"):
+        stack = 72
     assert usage["LOCAL"] == 0 and usage["STACK"] <= stack, f"register spills: {usage}"
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
@@ -131,9 +137,15 @@ def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, 
     assert "cp.async.bulk.tensor.4d" in ptx, "no TMA loads of 4-D boxes"
     assert "tensormap.replace" not in ptx, "descriptors are made on the host, not per program"
     atomics = re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red|cp\.reduce)\.\S*", ptx, re.MULTILINE)
+    reduction = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"
     if config_id == "atomic":
         reductions = [a.split()[-1] for a in atomics]  # one TMA reduction per consumer warpgroup
-        assert reductions == ["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"] * 2, atomics
+        assert reductions == [reduction] * 2, atomics
+    elif config_id == "ordered":  # per warpgroup: the reduction, a release in the sweep and one after it
+        assert sorted(a.split()[-1] for a in atomics) == sorted([reduction] * 2 + ["atom.global.gpu.relaxed.add.u32"] * 4)
+        assert ptx.count("ld.relaxed.gpu.global.b32") == 2, "each warpgroup reads its turn early"
+        assert ptx.count("ld.global.acquire.gpu.b32") == 2, "and waits for it if it has not come"
+        assert ptx.count("cp.async.bulk.wait_group 0;") == 4, "a turn passes once the reduction is written"
     else:
         assert not atomics, f"atomics {atomics[:3]}: the backward must stay deterministic"
 
@@ -175,7 +187,7 @@ def wgmma_loops(lines: list[str]) -> list[list[str]]:
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind,config_id", [(kind, c) for c in CONFIG_IDS if config_for(64, c).in_registers
-                                            for kind in KERNELS] + [("dkdv", "atomic")])
+                                            for kind in KERNELS] + [("dkdv", "atomic"), ("dkdv", "ordered")])
 def test_resident_register_operands_survive_the_sweep(kind, config_id, causal, tmp_path):
     """With in_registers, the K, V (dK/dV) or Q, dO (dQ) tiles loaded once into registers (LDSM) must keep
     those registers through every step: ptxas once gave K's to dS^T, so the second S^T read dS^T."""
@@ -223,6 +235,39 @@ def test_tma_strides_fix_only_dims_of_size_one():
     assert gf.tma_strides(x) == list(x.stride())
     odd = torch.empty(1, 7, 1, 64).as_strided((1, 1, 7, 64), (3, 5, 64, 1))  # any stride on size-1 dims
     assert gf.tma_strides(odd) == [448, 448, 64, 1]
+
+
+def ordered_everywhere(monkeypatch):
+    """The ordered dQ for every head dim and length it fits (by default d = 128 from Nq = 4096)."""
+    monkeypatch.setattr(gb, "ORDERED_DQ_DIMS", (64, 128))
+    monkeypatch.setattr(gb, "ORDERED_DQ_MIN_LEN", 1)
+
+
+@pytest.mark.parametrize("causal,len_q,len_k,resident,fits", [
+    (True, 4096, 4096, 132, True), (True, 16384, 16384, 132, True), (False, 16384, 16384, 132, True),
+    (True, 4096, 4097, 132, False),  # causal Nk > Nq: the first key blocks would reach tile 0 together
+    (True, 4000, 3000, 132, True),   # causal Nq > Nk
+    (True, 32768, 32768, 132, False), (False, 16384, 16384, 127, False),  # a head's key blocks exceed the GPU
+    (False, 300, 515, 132, True), (False, 100, 515, 132, False),  # 2 query tiles for 5 key blocks
+    (False, 64, 64, 0, False),       # no CUDA device
+])
+def test_ordered_dq_serves_only_where_it_cannot_deadlock_or_serialize(causal, len_q, len_k, resident, fits,
+                                                                      monkeypatch):
+    monkeypatch.setattr(gb, "resident_programs", lambda device: resident)
+    q, k = torch.empty(1, 4, len_q, 128), torch.empty(1, 2, len_k, 128)
+    assert gb.ordered_dq_fits(q, k, causal) == fits
+    measured = len_q >= 4096  # the lengths where it was measured against the dQ kernel
+    assert gb.dq_path(q, k, causal, atomic_dq=False, accumulating=False) == (
+        "ordered" if fits and measured else "kernel")
+    q64, k64 = q[..., :64], k[..., :64]  # d = 64: the dQ kernel measured faster
+    assert gb.dq_path(q64, k64, causal, atomic_dq=False, accumulating=False) == "kernel"
+    ordered_everywhere(monkeypatch)
+    assert gb.dq_path(q, k, causal, atomic_dq=False, accumulating=False) == ("ordered" if fits else "kernel")
+    assert gb.dq_path(q64, k64, causal, atomic_dq=False, accumulating=False) == ("ordered" if fits else "kernel")
+    assert gb.dq_path(q, k, causal, atomic_dq=True, accumulating=False) == "atomic"
+    assert gb.dq_path(q, k, causal, atomic_dq=False, accumulating=True) == "kernel"  # ring attention
+    monkeypatch.setattr(gb.settings, "ordered_dq", False)
+    assert gb.dq_path(q, k, causal, atomic_dq=False, accumulating=False) == "kernel"
 
 
 def test_row_stats_pad_and_map_rows_with_no_key():
@@ -303,9 +348,12 @@ def oracle_grads(q, k, v, dout, causal, backend=None):
     return torch.autograd.grad(out, inputs, dout)
 
 
-def check(q, k, v, dout, causal, atomic_dq=False):
+def check(q, k, v, dout, causal, atomic_dq=False, path=None):
+    """The Gluon backward against the oracle; path: how dQ must be formed (`gluon_backward.dq_path`)."""
     params = params_for(q.shape[-1], causal)
     assert gb.gluon_backward_supports(q, k, v, None, params, dout, atomic_dq) == []
+    if path is not None:
+        assert gb.dq_path(q, k, causal, atomic_dq, accumulating=False) == path
     out, lse = saved_forward(q, k, v, params)
     grads = gb.gluon_backward(dout, q, k, v, out, lse, params, atomic_dq=atomic_dq)
     for g, x in zip(grads, (q, k, v)):
@@ -323,9 +371,60 @@ def check(q, k, v, dout, causal, atomic_dq=False):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_oracle(dtype, d, causal, shape):
+def test_matches_oracle(dtype, d, causal, shape, monkeypatch):
+    monkeypatch.setattr(gb.settings, "ordered_dq", False)  # the dQ kernel (ring attention, unfit shapes)
     torch.manual_seed(hash((d, causal) + shape) % 2**31)
-    check(*gpu_inputs(*shape, d, dtype, with_dout=True), causal)
+    check(*gpu_inputs(*shape, d, dtype, with_dout=True), causal, path="kernel")
+
+
+# Shapes the ordered dQ serves (`ordered_dq_fits`): causal with Nk <= Nq, full attention with a
+# 64-row query tile per 128-key block; the last one only for full attention.
+ORDERED_SHAPES = [(2, 3, 3, 1, 1), (1, 2, 2, 64, 64), (2, 4, 2, 333, 270), (1, 6, 2, 700, 700),
+                  (2, 2, 1, 1100, 999), (1, 2, 1, 2048, 2048), (2, 4, 2, 333, 515)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", ORDERED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_ordered_dq_matches_oracle(dtype, d, causal, shape, monkeypatch):
+    ordered_everywhere(monkeypatch)
+    if causal and shape[4] > shape[3]:
+        pytest.skip("causal with Nk > Nq takes the dQ kernel (test_matches_oracle)")
+    torch.manual_seed(hash((d, causal, 9) + shape) % 2**31)
+    check(*gpu_inputs(*shape, d, dtype, layout="bnhd", with_dout=True), causal, path="ordered")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ordered_dq_reruns_are_bitwise_equal_with_many_contributors(d, causal, monkeypatch):
+    ordered_everywhere(monkeypatch)
+    torch.manual_seed(10)
+    q, k, v, dout = gpu_inputs(2, 8, 2, 4096, 4096, d, torch.bfloat16, with_dout=True)
+    (first, (out, lse, params)) = check(q, k, v, dout, causal, path="ordered")
+    for _ in range(4):
+        again = gb.gluon_backward(dout, q, k, v, out, lse, params)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_ordered_dq_caps_causal_head_groups_to_resident_programs(d, monkeypatch):
+    ordered_everywhere(monkeypatch)
+    monkeypatch.setattr(gb.schedule, "heads_per_group", forced_heads_per_group(6))
+    monkeypatch.setattr(gb, "resident_programs", lambda device: 13)  # 6 key blocks per head: groups of 2
+    sizes = []
+    real = gb.schedule.resident_heads_per_group
+    monkeypatch.setattr(gb.schedule, "resident_heads_per_group", lambda *args: sizes.append(real(*args)) or sizes[-1])
+    torch.manual_seed(11)
+    check(*gpu_inputs(2, 6, 3, 700, 700, d, torch.float16, with_dout=True), True, path="ordered")
+    assert sizes == [2]
 
 
 @pytest.mark.gpu
@@ -337,6 +436,7 @@ def test_matches_oracle(dtype, d, causal, shape):
                          ids=lambda s: "x".join(map(str, s)))
 def test_candidate_configs_match_oracle(dtype, causal, config_id, shape, monkeypatch):
     monkeypatch.setitem(gb.CONFIGS, 64, CANDIDATES[config_id])
+    monkeypatch.setattr(gb.settings, "ordered_dq", False)  # the dQ kernel, whose tiles these are
     torch.manual_seed(hash((causal,) + shape) % 2**31)
     check(*gpu_inputs(*shape, 64, dtype, layout="bnhd", with_dout=True), causal)
 

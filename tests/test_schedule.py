@@ -67,3 +67,14 @@ def test_head_groups_respect_the_l2_share_and_huge_grids():
     assert schedule.heads_per_group(costs, 64, 132, schedule.L2_SHARE) == 1  # one head fills the share
     many = schedule.MAX_SIMULATED_TILES // len(costs) + 1
     assert schedule.heads_per_group(costs, many, 132, 1) == 1
+
+
+@pytest.mark.parametrize("wanted,batch_heads,per_head,resident,expected", [
+    (6, 12, 32, 132, 4),   # 4 heads of 32 key blocks fit in 132 programs; 4 divides 12
+    (6, 10, 32, 132, 2),   # 4 does not divide 10, 3 neither: 2
+    (1, 12, 32, 132, 1),   # never more than asked for
+    (6, 12, 128, 132, 1),  # one head at a time
+    (6, 12, 256, 132, 0),  # not even one head
+])
+def test_resident_heads_per_group_is_the_largest_fitting_divisor(wanted, batch_heads, per_head, resident, expected):
+    assert schedule.resident_heads_per_group(wanted, batch_heads, per_head, resident) == expected

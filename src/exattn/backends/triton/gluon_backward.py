@@ -34,8 +34,19 @@ read once into registers and the S and dP wgmmas take them from there, which
 halves those wgmmas' shared-memory reads. One Triton kernel (`row_stats_kernel`)
 forms delta and the base-2 lse, padded, before the two passes.
 
-Each output element has one owner and a fixed summation order, no atomics:
-reruns are bitwise equal. A query row with lse = -inf (it sees no key) uses
+Ordered dQ (`dq_path`: d = 128, Nq >= 4096, where `ordered_dq_fits`): no dQ kernel; the
+dK/dV kernel adds each step's float32 [64, D/2] dQ tile halves by TMA
+reductions, in a fixed order per tile: an int32 semaphore per tile half counts
+the contributions so far, a key block waits until it equals its rank
+(`dq_rank`: the order in which the sweeps reach the tile) and, once its
+reduction is complete in L2 (`bulk_writes_done`), adds 1 (`settle_dq`, in the
+next step while dV and dK are on the tensor cores). The increment is relaxed:
+a release would put a GPU-wide memory barrier into every step, and the writes
+it publishes are already complete where the next reduction, issued only after
+the increment is seen, lands.
+
+Each output element has one owner or a fixed summation order: reruns are
+bitwise equal. A query row with lse = -inf (it sees no key) uses
 +inf, so its P and its gradients are 0. With `accumulate_into` the finished
 tiles are added to the float32 tensors given (ring attention).
 """
@@ -76,6 +87,7 @@ from .gluon_forward import (
     key_tiles,
     load_partition,
     longest_first,
+    multiprocessor_count,
     program_id_again,
     release,
     tile_descriptor,
@@ -83,7 +95,7 @@ from .gluon_forward import (
     wait_ready,
     wgmma_layout,
 )
-from .passes import LOG2E, grid_of, on_device
+from .passes import LOG2E, grid_of, on_device, settings
 
 
 class GluonBackwardConfig(NamedTuple):
@@ -102,8 +114,14 @@ class GluonBackwardConfig(NamedTuple):
 # Triton backward from 4k (benchmarks/results/gluon-backward-h200-d64-in-registers.json).
 CONFIGS = {64: GluonBackwardConfig(64, 4, 128, 2, in_registers=True), 128: GluonBackwardConfig(64, 4, 64, 4)}
 # atomic_dq (dQ added by TMA reductions from the dK/dV kernel): the dS and float32 dQ tiles
-# take the shared memory of two ring slots.
+# take the shared memory of two ring slots. The ordered variant runs the same tiles.
 ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True), 128: GluonBackwardConfig(64, 2, 0, 0)}
+# Head dims and query lengths where the deterministic backward adds dQ in order in the dK/dV kernel
+# (where it fits): d = 128 at 4k and 16k read 1.00-1.05x the dK/dV + dQ kernel pair in one run, d = 64
+# 0.90-0.95x of it (shorter steps leave the turns less room; benchmarks/results/ordered-dq-h200.json).
+# Shorter lengths were not compared in one run.
+ORDERED_DQ_DIMS = (128,)
+ORDERED_DQ_MIN_LEN = 4096
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -114,6 +132,45 @@ def async_reduce_add(tensor_desc, coord, src, _semantic=None):
     """TMA: add the shared-memory tile src into tensor_desc's box at coord (cp.reduce.async.bulk)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def bulk_writes_done():
+    """Wait until this thread's bulk (TMA) stores and reductions are complete in global memory
+    (`tma.store_wait` waits only until their shared-memory sources are read)."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def load_acquire(ptr):
+    return gl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def load_early(ptr):
+    """A relaxed load of the int32 at ptr, issued now and waited for only where its value is used."""
+    return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def pass_turn(semaphore):
+    """One thread of the warpgroup adds 1 to the int32 semaphore: a relaxed reduction, no memory
+    barrier (a release would wait for every outstanding access of the thread). The writes it
+    publishes are TMA reductions already complete in L2 (`bulk_writes_done`), where the next
+    contributor's reduction, issued only after it saw this increment, lands after them."""
+    gl.atomic_add(semaphore, 1, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def wait_turn(semaphore, rank, seen):
+    """Spin until `rank` earlier contributors have released the int32 semaphore (`seen`: its value
+    loaded earlier, `load_early`), then order this thread's later bulk (async-proxy) global writes
+    after what they wrote."""
+    while seen != rank:
+        seen = load_acquire(semaphore)
+    gl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -153,6 +210,39 @@ def query_tiles(n0, len_q, len_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def sweep_tile(j, lo, tiles, start, ROTATE: gl.constexpr):
+    """Query tile of step j of a dK/dV sweep over tiles [lo, lo + tiles), per query head of the group;
+    ROTATE: starting at lo + start and wrapping around."""
+    if ROTATE:
+        return lo + (start + j % tiles) % tiles
+    return lo + j % tiles
+
+
+@gluon.jit
+def sweep_start(col_tile, num_col_tiles, tiles, ROTATE: gl.constexpr):
+    """Where key block col_tile's sweep starts (`sweep_tile`). ROTATE (full attention with ordered
+    dQ): spread over the tiles, so the key blocks reach a query tile one after another instead of
+    all at once (and wait for one another)."""
+    if ROTATE:
+        return col_tile * tiles // num_col_tiles
+    return col_tile * 0
+
+
+@gluon.jit
+def dq_rank(col_tile, t, num_col_tiles, num_row_tiles, offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many key blocks add into query tile t before key block col_tile: the order in which
+    their sweeps reach t. Causal (no rotation, Nk <= Nq): later blocks start nearer t, so from the
+    last block that sees t down to block 0. Full (rotated, at least one tile per block): cyclically
+    down from the block whose sweep starts at t or last before it."""
+    if CAUSAL:
+        first = gl.minimum(num_col_tiles, gl.cdiv((t + 1) * BLOCK_M + offset, 2 * ROWS)) - 1
+        return first - col_tile
+    else:
+        first = gl.minimum(num_col_tiles, gl.cdiv((t + 1) * num_col_tiles, num_row_tiles)) - 1
+        return (first - col_tile + num_col_tiles) % num_col_tiles
+
+
+@gluon.jit
 def key_block_of(pid, num_col_tiles, heads_per_group, CAUSAL: gl.constexpr):
     """(b * Hk + hk, first key) of dK/dV program pid, in `longest_first` order (causal: the first
     keys are seen by the most query tiles)."""
@@ -163,7 +253,7 @@ def key_block_of(pid, num_col_tiles, heads_per_group, CAUSAL: gl.constexpr):
 @gluon.jit
 def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                         v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
-                        len_q_pad, len_k, group, CAUSAL: gl.constexpr):
+                        len_q_pad, len_k, group, CAUSAL: gl.constexpr, ROTATE: gl.constexpr):
     """Producer warp: K, V once; then Q, lse and dO, delta of (head g, tile t) into slot j % STAGES."""
     kv_bar, q_ready, do_ready, empty = bars
     STAGES: gl.constexpr = q_smem.shape[0]
@@ -181,9 +271,10 @@ def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0 + half * ROWS, 0], kv_bar,
                                         as_box(v_smem.index(half), v_desc))
     tiles = gl.maximum(hi - lo, 0)
+    start = sweep_start(n0 // (2 * ROWS), num_col_tiles, tiles, ROTATE)
     for j in range(group * tiles):
         g = j // tiles
-        row = (lo + j % tiles) * BLOCK_M
+        row = sweep_tile(j, lo, tiles, start, ROTATE) * BLOCK_M
         slot = j % STAGES
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
         ready = q_ready.index(slot)
@@ -236,27 +327,47 @@ def issue_dq(ds_smem, ds_ready, k_smem, j, HALF: gl.constexpr, BLOCK_M: gl.const
 
 
 @gluon.jit
-def reduce_dq(dq, dq_smem, dq_desc, b, head, row, HALF: gl.constexpr):
-    """Add this warpgroup's [BLOCK_M, D/2] dQ tile into the float32 dQ with a TMA reduction, once the
-    previous one has read the staging tile."""
+def reduce_dq(dq, dq_smem, dq_desc, target, turn, seen, HALF: gl.constexpr, ORDERED: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    """Add this warpgroup's [BLOCK_M, D/2] dQ tile into the float32 dQ at target = (b, head, row)
+    with a TMA reduction, once the previous one has read the staging tile. ORDERED (`settle_dq` freed
+    the staging tile): only after the contributions that come before this one (`wait_turn`, from
+    the semaphore value `seen`; turn as in `dkdv_step`)."""
     staging = dq_smem.index(HALF)
-    tma.store_wait(0)
-    gl.thread_barrier()
+    if not ORDERED:
+        tma.store_wait(0)
+        gl.thread_barrier()
     staging.store(dq)
     fence_async_shared()
+    if ORDERED:
+        rank = dq_rank(turn[4], target[2] // dq.shape[0], turn[5], turn[6], turn[7], dq.shape[0], CAUSAL)
+        wait_turn(turn[0] + turn[1], rank, seen)
     gl.thread_barrier()
-    async_reduce_add(dq_desc, [b, head, row, HALF * dq.shape[1]], as_box(staging, dq_desc))
+    async_reduce_add(dq_desc, [target[0], target[1], target[2], HALF * dq.shape[1]], as_box(staging, dq_desc))
+
+
+@gluon.jit
+def settle_dq(semaphore, issued):
+    """Once this warpgroup's last dQ reduction (if `issued`) is complete in global memory, let the
+    next contribution to its tile go (`pass_turn`)."""
+    bulk_writes_done()
+    gl.thread_barrier()
+    if issued:
+        pass_turn(semaphore)
 
 
 @gluon.jit
 def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagonal, t, j, full, scale_log2,
               s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr, IN_REGISTERS: gl.constexpr,
-              dq_parts, dq_target, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+              dq_parts, dq_target, turn, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr, ORDERED: gl.constexpr):
     """One query tile t (ring slot of step j) into keys [first, first + 64) of (dk, dv); tiles t < full
     are masked (causal diagonal = first - (Nk - Nq)). Returns (dk, dv, k, v).
 
     ATOMIC_DQ: also add this step's scale * dS K into the float32 dQ at dq_target = (b, head, row);
-    dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale) (`gluon_dkdv_kernel`).
+    dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale) (`gluon_dkdv_kernel`). ORDERED:
+    in a fixed order, turn = (SEM, this tile's semaphore, the previous step's, j, and the inputs of
+    `dq_rank`): the previous step's reduction is settled (`settle_dq`) and this tile's semaphore read
+    while dV and dK are on the tensor cores, so a turn that has come costs no wait.
 
     k, v: this warpgroup's keys, as shared-memory tiles or (IN_REGISTERS) as register operands. Register
     operands pass through the waits of their wgmmas and come back for the next step: held only as
@@ -294,11 +405,15 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
     dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
     if ATOMIC_DQ:  # dS^T goes to shared memory while dV and dK are on the tensor cores
+        seen = 0
+        if ORDERED:
+            settle_dq(turn[0] + turn[2], turn[3] > 0)
+            seen = load_early(turn[0] + turn[1])
         share_ds(ds, dq_parts[0], dq_parts[1], j, HALF)
         dq_tok = issue_dq(dq_parts[0], dq_parts[1], dq_parts[2], j, HALF, BLOCK_M)
         dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, dv_tok, dk_tok, p_op, ds_op))
         release(empty, j, STAGES)
-        reduce_dq(dq * dq_parts[5], dq_parts[3], dq_parts[4], dq_target[0], dq_target[1], dq_target[2], HALF)
+        reduce_dq(dq * dq_parts[5], dq_parts[3], dq_parts[4], dq_target, turn, seen, HALF, ORDERED, CAUSAL)
     else:
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         release(empty, j, STAGES)
@@ -319,9 +434,10 @@ def resident_operand(smem, acc_layout: gl.constexpr, IN_REGISTERS: gl.constexpr)
 def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars,
                            DK, DV, dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
                            scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
-                           IN_REGISTERS: gl.constexpr, dq_parts, ATOMIC_DQ: gl.constexpr):
+                           IN_REGISTERS: gl.constexpr, dq_parts, SEM, ATOMIC_DQ: gl.constexpr,
+                           ROTATE: gl.constexpr):
     """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV (and with
-    ATOMIC_DQ adds their share of dQ, see `dkdv_step`)."""
+    ATOMIC_DQ adds their share of dQ, see `dkdv_step`; in a fixed order if SEM is given)."""
     kv_bar = bars[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
@@ -334,16 +450,27 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
     tiles = gl.maximum(hi - lo, 0)
+    col_tile = n0 // (2 * ROWS)
+    start = sweep_start(col_tile, num_col_tiles, tiles, ROTATE)
+    ORDERED: gl.constexpr = SEM is not None
+    previous = 0
     mbarrier.wait(kv_bar, 0)
     k = resident_operand(k_smem.index(half), s_layout, IN_REGISTERS)
     v = resident_operand(v_smem.index(half), s_layout, IN_REGISTERS)
     for j in range(group * tiles):
-        t = lo + j % tiles
+        t = sweep_tile(j, lo, tiles, start, ROTATE)
         dq_target = (bhk // (heads_q // group), bhk % (heads_q // group) * group + j // tiles, t * BLOCK_M)
+        turn = (SEM, 0, 0, j)
+        if ORDERED:
+            semaphore = ((dq_target[0] * heads_q + dq_target[1]) * hi + t) * 2 + half
+            turn = (SEM, semaphore, previous, j, col_tile, num_col_tiles, hi, len_k - len_q)
+            previous = semaphore
         dk, dv, k, v = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv,
                                  first - (len_k - len_q), t, j, full, scale_log2, s_layout, op_layout, CAUSAL,
-                                 IN_REGISTERS, dq_parts, dq_target, half, ATOMIC_DQ)
-    if ATOMIC_DQ:
+                                 IN_REGISTERS, dq_parts, dq_target, turn, half, ATOMIC_DQ, ORDERED)
+    if ORDERED:
+        settle_dq(SEM + previous, tiles > 0)
+    elif ATOMIC_DQ:
         tma.store_wait(0)
     bhk, n0 = key_block_of(program_id_again(), num_col_tiles, heads_per_group, CAUSAL)
     first = n0 + half * ROWS
@@ -359,12 +486,15 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
 @gluon.jit
 def gluon_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides,
-    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, scale_log2, scale,
+    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM, scale_log2, scale,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
 ):
     """Grid: (num_col_tiles * B * Hk,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
     [1, 1, BLOCK_M, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, 64, D] boxes; dq_desc: None, or
     (atomic_dq) a float32 (B, Hq, Nq, D) the kernel adds scale * dS K into, [1, 1, BLOCK_M, D/2] boxes.
+    SEM: None, or with dq_desc zeroed int32 (B * Hq, cdiv(Nq, BLOCK_M), 2): one semaphore per dQ tile
+    half, so its contributions are added in a fixed order (`dq_rank`; every program of a causal head
+    group, or of a full-attention head, must fit on the GPU at once: `ordered_dq_fits`).
 
     DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE; strides (batch,
     head, row, col). lse_desc, delta_desc (`stats_descriptor`): contiguous (B * Hq, len_q_pad) float32
@@ -394,6 +524,7 @@ def gluon_dkdv_kernel(
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     bars = (kv_bar, q_ready, do_ready, empty)
     ATOMIC_DQ: gl.constexpr = dq_desc is not None
+    ROTATE: gl.constexpr = SEM is not None and not CAUSAL
     dq_parts = 0
     if ATOMIC_DQ:  # dS^T halves (2 steps x 2 warpgroups), float32 dQ staging per warpgroup
         ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, BLOCK_M],
@@ -411,13 +542,15 @@ def gluon_dkdv_kernel(
     gl.warp_specialize([
         (dkdv_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
-                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ)),
+                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, SEM, ATOMIC_DQ,
+                                  ROTATE)),
         (dkdv_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
-                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ)),
+                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, SEM, ATOMIC_DQ,
+                                  ROTATE)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
-                               len_q_pad, len_k, group, CAUSAL)),
+                               len_q_pad, len_k, group, CAUSAL, ROTATE)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -633,9 +766,9 @@ def stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: GluonBackwardConfig, causal: bool,
-                   dq_sum: torch.Tensor | None = None) -> tuple:
+                   dq_sum: torch.Tensor | None = None, semaphores: torch.Tensor | None = None) -> tuple:
     """Positional arguments of `gluon_dkdv_kernel` before scale_log2, and its grid; dq_sum: the
-    float32 dQ the kernel adds into (atomic_dq), or None."""
+    float32 dQ the kernel adds into (atomic_dq, or ordered with `semaphores`), or None."""
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
     col_tiles = triton.cdiv(len_k, 2 * ROWS.value)
@@ -644,13 +777,47 @@ def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: Gluo
         costs = schedule.causal_key_costs(len_q, len_k, 2 * ROWS.value, cfg.dkdv_block_m)
         qdo_bytes = 2 * len_q * dim * q.element_size() * (heads_q // heads_k)
         order = causal_heads_per_group(costs, batch * heads_k, qdo_bytes, q.device)
+        if semaphores is not None:
+            order = max(1, schedule.resident_heads_per_group(order, batch * heads_k, col_tiles,
+                                                             resident_programs(q.device)))
     dq_desc = None if dq_sum is None else tile_descriptor(dq_sum, cfg.dkdv_block_m, dim // 2)
     args = (tile_descriptor(q, cfg.dkdv_block_m), tile_descriptor(dout, cfg.dkdv_block_m),
             tile_descriptor(k, ROWS.value), tile_descriptor(v, ROWS.value),
             stats_descriptor(lse2, cfg.dkdv_block_m), stats_descriptor(delta, cfg.dkdv_block_m),
             dk, dv, dk.stride(), dv.stride(), heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles,
-            order, dq_desc)
+            order, dq_desc, semaphores)
     return args, grid_of(col_tiles, batch * heads_k)
+
+
+def resident_programs(device: torch.device) -> int:
+    """dK/dV programs resident at once: one per SM (their shared memory allows no second)."""
+    return multiprocessor_count(device) if device.type == "cuda" else 0
+
+
+def dq_path(q: torch.Tensor, k: torch.Tensor, causal: bool, atomic_dq: bool, accumulating: bool) -> str:
+    """How the backward forms dQ: "atomic" (the dK/dV kernel's TMA reductions, in any order),
+    "ordered" (the same in a fixed order, `settings.ordered_dq`, at ORDERED_DQ_DIMS from
+    ORDERED_DQ_MIN_LEN query rows) or "kernel" (a dQ kernel)."""
+    if atomic_dq:
+        return "atomic"
+    if (settings.ordered_dq and q.shape[-1] in ORDERED_DQ_DIMS and q.shape[2] >= ORDERED_DQ_MIN_LEN
+            and not accumulating and ordered_dq_fits(q, k, causal)):
+        return "ordered"
+    return "kernel"
+
+
+def ordered_dq_fits(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Whether the dK/dV kernel can add dQ in a fixed order (`dq_rank`) without deadlock or
+    serialized steps: one head's key blocks all resident at once (a causal head group is then
+    capped to fit); causal with Nk <= Nq (key blocks start their sweeps at distinct tiles); full
+    attention with at least one 64-row query tile per key block (distinct rotated starts)."""
+    len_q, len_k = q.shape[2], k.shape[2]
+    key_blocks = triton.cdiv(len_k, 2 * ROWS.value)
+    if key_blocks > resident_programs(q.device):
+        return False
+    if causal:
+        return len_k <= len_q
+    return triton.cdiv(len_q, ATOMIC_CONFIGS[q.shape[-1]].dkdv_block_m) >= key_blocks
 
 
 def dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad: int, cfg: GluonBackwardConfig, causal: bool) -> tuple:
@@ -686,18 +853,24 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
         dq, dk, dv = accumulate_into
     else:
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    cfg = (ATOMIC_CONFIGS if atomic_dq else CONFIGS)[dim]
+    causal = params.window == (UNBOUNDED, 0)
+    path = dq_path(q, k, causal, atomic_dq, accumulate_into is not None)
+    dq_in_dkdv = path != "kernel"
+    cfg = (ATOMIC_CONFIGS if dq_in_dkdv else CONFIGS)[dim]
     len_q_pad = padded_rows(len_q, cfg)
     lse2, delta = row_stats(lse, out, dout, len_q_pad)
     scalars = (params.scale * LOG2E, params.scale)
-    options = kernel_options(cfg, params.window == (UNBOUNDED, 0), accumulate_into is not None)
-    dq_sum = None
-    if atomic_dq:
+    options = kernel_options(cfg, causal, accumulate_into is not None)
+    dq_sum = semaphores = None
+    if dq_in_dkdv:
         adds_in_place = accumulate_into is not None and tma_compatible(dq)
         dq_sum = dq if adds_in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, options["CAUSAL"], dq_sum)
+    if path == "ordered":
+        semaphores = torch.zeros(batch * heads_q, len_q_pad // cfg.dkdv_block_m, 2, dtype=torch.int32,
+                                 device=q.device)
+    args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores)
     gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, **options)
-    if not atomic_dq:
+    if not dq_in_dkdv:
         args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg, options["CAUSAL"])
         gluon_dq_kernel[grid](*args, *scalars, STAGES=cfg.dq_stages, **options)
     elif dq_sum is not dq:

@@ -40,6 +40,14 @@ class TritonSettings:
         their deterministic default (0.33-0.69x cuDNN at 1k-2k): set it for long
         sequences only (docs/triton.md, docs/performance.md).
         Env: EXATTN_TRITON_ATOMIC_DQ=1.
+    ordered_dq: in the deterministic Gluon backward at d = 128, the dK/dV
+        kernel adds dQ itself by TMA reductions, each dQ tile's contributions
+        in a fixed order (a semaphore per tile), where one head's key blocks
+        fit on the GPU at once and the lengths allow
+        (`gluon_backward.ordered_dq_fits`; not with `accumulate_into`):
+        1.00-1.05x the dK/dV + dQ kernel pair it replaces, which serves
+        everywhere else (and everywhere with it off). Bitwise reproducible
+        either way. Env: EXATTN_TRITON_ORDERED_DQ=0 turns it off.
     use_tma: load tiles through TMA tensor descriptors where the strides allow
         (Hopper and newer, and the interpreter). Env: EXATTN_TRITON_TMA=0 turns it off.
     use_gluon: on sm_90 run the forward and backward through the Gluon kernels
@@ -49,6 +57,7 @@ class TritonSettings:
     """
 
     atomic_dq: bool = os.environ.get("EXATTN_TRITON_ATOMIC_DQ", "0") == "1"
+    ordered_dq: bool = os.environ.get("EXATTN_TRITON_ORDERED_DQ", "1") == "1"
     use_tma: bool = os.environ.get("EXATTN_TRITON_TMA", "1") == "1"
     use_gluon: bool = os.environ.get("EXATTN_TRITON_GLUON", "1") == "1"
 

@@ -52,6 +52,13 @@ def heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, programs: int
     return min(g for g, span in spans.items() if span <= best * 1.005)
 
 
+def resident_heads_per_group(heads_per_group: int, batch_heads: int, programs_per_head: int, resident: int) -> int:
+    """The largest divisor of batch_heads, at most heads_per_group, whose group's programs
+    (programs_per_head each) can all be resident at once; 0 if one head's cannot."""
+    fitting = min(heads_per_group, resident // max(programs_per_head, 1))
+    return max((g for g in range(1, fitting + 1) if batch_heads % g == 0), default=0)
+
+
 @functools.lru_cache(maxsize=512)
 def causal_row_costs(len_q: int, len_k: int, block_m: int, block_n: int) -> tuple[int, ...]:
     """Key tiles that each block_m query row tile sees under bottom-right causal, longest first
