@@ -404,12 +404,8 @@ def test_ordered_dq_matches_oracle(dtype, d, causal, shape, monkeypatch):
 def test_ordered_dq_reruns_are_bitwise_equal_with_many_contributors(d, causal, monkeypatch):
     ordered_everywhere(monkeypatch)
     torch.manual_seed(10)
-    q, k, v, dout = gpu_inputs(2, 8, 2, 4096, 4096, d, torch.bfloat16, with_dout=True)
-    (first, (out, lse, params)) = check(q, k, v, dout, causal, path="ordered")
-    for _ in range(4):
-        again = gb.gluon_backward(dout, q, k, v, out, lse, params)
-        for a, b in zip(first, again):
-            assert torch.equal(a, b)
+    assert_reruns_bitwise_equal(*gpu_inputs(2, 8, 2, 4096, 4096, d, torch.bfloat16, with_dout=True), causal,
+                                reruns=4, path="ordered")
 
 
 @pytest.mark.gpu
@@ -476,9 +472,13 @@ def test_long_sequence_many_ring_rounds(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_reruns_are_bitwise_equal(d, causal):
     torch.manual_seed(6)
-    q, k, v, dout = gpu_inputs(2, 8, 2, 1111, 999, d, torch.bfloat16, with_dout=True)
-    (first, (out, lse, params)) = check(q, k, v, dout, causal)
-    for _ in range(3):
+    assert_reruns_bitwise_equal(*gpu_inputs(2, 8, 2, 1111, 999, d, torch.bfloat16, with_dout=True), causal, reruns=3)
+
+
+def assert_reruns_bitwise_equal(q, k, v, dout, causal, reruns, path=None):
+    """`check` against the oracle, then `reruns` more backward passes with bitwise-equal gradients."""
+    (first, (out, lse, params)) = check(q, k, v, dout, causal, path=path)
+    for _ in range(reruns):
         again = gb.gluon_backward(dout, q, k, v, out, lse, params)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
