@@ -34,16 +34,9 @@ read once into registers and the S and dP wgmmas take them from there, which
 halves those wgmmas' shared-memory reads. One Triton kernel (`row_stats_kernel`)
 forms delta and the base-2 lse, padded, before the two passes.
 
-Ordered dQ (`dq_path`: d = 128, Nq >= 4096, where `ordered_dq_fits`): no dQ kernel; the
-dK/dV kernel adds each step's float32 [64, D/2] dQ tile halves by TMA
-reductions, in a fixed order per tile: an int32 semaphore per tile half counts
-the contributions so far, a key block waits until it equals its rank
-(`dq_rank`: the order in which the sweeps reach the tile) and, once its
-reduction is complete in L2 (`bulk_writes_done`), adds 1 (`settle_dq`, in the
-next step while dV and dK are on the tensor cores). The increment is relaxed:
-a release would put a GPU-wide memory barrier into every step, and the writes
-it publishes are already complete where the next reduction, issued only after
-the increment is seen, lands.
+Ordered dQ (`dq_path`: d = 128, Nq >= 4096, where `ordered_dq_fits`): no dQ
+kernel; the dK/dV kernel adds its dQ tiles by TMA reductions in a fixed order
+per tile (`dq_order.py`).
 
 Each output element has one owner or a fixed summation order: reruns are
 bitwise equal. A query row with lse = -inf (it sees no key) uses
@@ -74,6 +67,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...problem import UNBOUNDED, AttentionParams, check_accumulators
 from . import schedule
 from .configs import tma_compatible
+from .dq_order import dq_rank, load_early, settle_dq, sweep_start, sweep_tile, wait_turn
 from .gluon_forward import (
     CONSUMER_REGS,
     MAXNREG,
@@ -135,45 +129,6 @@ def async_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def bulk_writes_done():
-    """Wait until this thread's bulk (TMA) stores and reductions are complete in global memory
-    (`tma.store_wait` waits only until their shared-memory sources are read)."""
-    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def load_acquire(ptr):
-    return gl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def load_early(ptr):
-    """A relaxed load of the int32 at ptr, issued now and waited for only where its value is used."""
-    return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def pass_turn(semaphore):
-    """One thread of the warpgroup adds 1 to the int32 semaphore: a relaxed reduction, no memory
-    barrier (a release would wait for every outstanding access of the thread). The writes it
-    publishes are TMA reductions already complete in L2 (`bulk_writes_done`), where the next
-    contributor's reduction, issued only after it saw this increment, lands after them."""
-    gl.atomic_add(semaphore, 1, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
-def wait_turn(semaphore, rank, seen):
-    """Spin until `rank` earlier contributors have released the int32 semaphore (`seen`: its value
-    loaded earlier, `load_early`), then order this thread's later bulk (async-proxy) global writes
-    after what they wrote."""
-    while seen != rank:
-        seen = load_acquire(semaphore)
-    gl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def store_rows(ptr, row_stride, col_stride, x, first_row, n_rows, ACCUMULATE: gl.constexpr):
     """x into rows first_row + [0, R) (those in [0, n_rows)) of ptr; with ACCUMULATE added to the float32 there."""
     R: gl.constexpr = x.shape[0]
@@ -207,39 +162,6 @@ def query_tiles(n0, len_q, len_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
         last_key = n0 + 2 * ROWS - 1
         full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(last_key - offset, 0), BLOCK_M), lo), hi)
     return lo, full, hi
-
-
-@gluon.jit
-def sweep_tile(j, lo, tiles, start, ROTATE: gl.constexpr):
-    """Query tile of step j of a dK/dV sweep over tiles [lo, lo + tiles), per query head of the group;
-    ROTATE: starting at lo + start and wrapping around."""
-    if ROTATE:
-        return lo + (start + j % tiles) % tiles
-    return lo + j % tiles
-
-
-@gluon.jit
-def sweep_start(col_tile, num_col_tiles, tiles, ROTATE: gl.constexpr):
-    """Where key block col_tile's sweep starts (`sweep_tile`). ROTATE (full attention with ordered
-    dQ): spread over the tiles, so the key blocks reach a query tile one after another instead of
-    all at once (and wait for one another)."""
-    if ROTATE:
-        return col_tile * tiles // num_col_tiles
-    return col_tile * 0
-
-
-@gluon.jit
-def dq_rank(col_tile, t, num_col_tiles, num_row_tiles, offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """How many key blocks add into query tile t before key block col_tile: the order in which
-    their sweeps reach t. Causal (no rotation, Nk <= Nq): later blocks start nearer t, so from the
-    last block that sees t down to block 0. Full (rotated, at least one tile per block): cyclically
-    down from the block whose sweep starts at t or last before it."""
-    if CAUSAL:
-        first = gl.minimum(num_col_tiles, gl.cdiv((t + 1) * BLOCK_M + offset, 2 * ROWS)) - 1
-        return first - col_tile
-    else:
-        first = gl.minimum(num_col_tiles, gl.cdiv((t + 1) * num_col_tiles, num_row_tiles)) - 1
-        return (first - col_tile + num_col_tiles) % num_col_tiles
 
 
 @gluon.jit
@@ -344,16 +266,6 @@ def reduce_dq(dq, dq_smem, dq_desc, target, turn, seen, HALF: gl.constexpr, ORDE
         wait_turn(turn[0] + turn[1], rank, seen)
     gl.thread_barrier()
     async_reduce_add(dq_desc, [target[0], target[1], target[2], HALF * dq.shape[1]], as_box(staging, dq_desc))
-
-
-@gluon.jit
-def settle_dq(semaphore, issued):
-    """Once this warpgroup's last dQ reduction (if `issued`) is complete in global memory, let the
-    next contribution to its tile go (`pass_turn`)."""
-    bulk_writes_done()
-    gl.thread_barrier()
-    if issued:
-        pass_turn(semaphore)
 
 
 @gluon.jit
