@@ -40,7 +40,7 @@ class TritonSettings:
         their deterministic default (0.33-0.69x cuDNN at 1k-2k): set it for long
         sequences only (docs/triton.md, docs/performance.md).
         Env: EXATTN_TRITON_ATOMIC_DQ=1.
-    ordered_dq: in the deterministic Gluon backward at d = 128, the dK/dV
+    ordered_dq: in the deterministic Gluon backward at d = 128 from Nq = 4096, the dK/dV
         kernel adds dQ itself by TMA reductions, each dQ tile's contributions
         in a fixed order (a semaphore per tile), where one head's key blocks
         fit on the GPU at once and the lengths allow
