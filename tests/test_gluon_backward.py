@@ -325,6 +325,60 @@ def test_checked_entry_points_pass_everything_to_the_launch(monkeypatch):
         gb.run_gluon_backward(q, q, k, v, q, lse, params, tuple(x.clone() for x in (q, k, v)))
 
 
+class FakeKernel:
+    """Stands in for a Gluon kernel on the CPU: records each launch's arguments and lets `effect`
+    write what the kernel would."""
+
+    def __init__(self, effect):
+        self.launches = []
+        self.effect = effect
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            self.launches.append(args)
+            self.effect(args)
+        return run
+
+
+DKDV_DQ_DESC, DKDV_SEM, DQ_OUT = 17, 18, 6  # argument positions (`dkdv_arguments`, `dq_arguments`)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("atomic_dq,ordered_dq,accumulate,path", [
+    (False, False, False, "kernel"), (False, True, False, "ordered"), (True, False, False, "atomic"),
+    (True, False, True, "atomic"), (False, True, True, "kernel"),
+])
+def test_launch_forms_dq_the_way_dq_path_says(causal, atomic_dq, ordered_dq, accumulate, path, monkeypatch):
+    """The host side of `launch` (Triton's interpreter runs `row_stats`): which kernels run, what
+    the dK/dV kernel adds dQ into, its semaphores, and how dQ reaches the caller."""
+    ordered_everywhere(monkeypatch)
+    monkeypatch.setattr(gb, "resident_programs", lambda device: 132)
+    monkeypatch.setattr(gb.settings, "ordered_dq", ordered_dq)
+    added = 1.5  # what the fake dK/dV kernel adds to dQ
+    dkdv = FakeKernel(lambda args: args[DKDV_DQ_DESC] is not None and args[DKDV_DQ_DESC].base.add_(added))
+    dq_kernel = FakeKernel(lambda args: args[DQ_OUT].fill_(3.0))
+    monkeypatch.setattr(gb, "gluon_dkdv_kernel", dkdv)
+    monkeypatch.setattr(gb, "gluon_dq_kernel", dq_kernel)
+    q, k, v = cpu_inputs(torch.float16, dim=128, heads=(4, 2))
+    params = params_for(128, causal)
+    lse = torch.zeros(q.shape[:3])
+    start = tuple(torch.full(x.shape, 0.25) for x in (q, k, v)) if accumulate else None
+    assert gb.dq_path(q, k, causal, atomic_dq, accumulate) == path
+    dq, _, _ = gb.launch(q, q, k, v, q, lse, params, tuple(x.clone() for x in start) if accumulate else None,
+                         atomic_dq)
+    (args,) = dkdv.launches
+    semaphores = args[DKDV_SEM]
+    if path == "ordered":
+        assert semaphores.dtype == torch.int32 and semaphores.shape == (4, 1, 2) and not semaphores.any()
+    else:
+        assert semaphores is None
+    assert len(dq_kernel.launches) == (path == "kernel")
+    assert (args[DKDV_DQ_DESC] is None) == (path == "kernel")
+    expected = 3.0 if path == "kernel" else added + (0.25 if accumulate else 0.0)
+    assert dq.dtype == (torch.float32 if accumulate else q.dtype)
+    assert torch.equal(dq, torch.full(q.shape, expected, dtype=dq.dtype))
+
+
 # ---------------------------------------------------------------- GPU
 
 def params_for(d, causal):

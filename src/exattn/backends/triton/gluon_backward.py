@@ -754,6 +754,19 @@ def kernel_options(cfg: GluonBackwardConfig, causal: bool, accumulate: bool) -> 
             "maxnreg": MAXNREG}
 
 
+def dq_accumulators(path: str, q: torch.Tensor, dq: torch.Tensor, accumulating: bool, row_tiles: int):
+    """(dq_sum, semaphores) for `dq_path`'s path: the float32 dQ the dK/dV kernel adds into (the
+    caller's float32 dq itself when accumulating into TMA-compatible strides, else zeros; None for a
+    dQ kernel), and for "ordered" zeroed int32 (B * Hq, row_tiles, 2) semaphores (else None)."""
+    if path == "kernel":
+        return None, None
+    in_place = accumulating and tma_compatible(dq)
+    dq_sum = dq if in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if path != "ordered":
+        return dq_sum, None
+    return dq_sum, torch.zeros(q.shape[0] * q.shape[1], row_tiles, 2, dtype=torch.int32, device=q.device)
+
+
 def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, atomic_dq: bool):
     batch, heads_q, len_q, dim = q.shape
     len_k = k.shape[2]
@@ -773,13 +786,7 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     lse2, delta = row_stats(lse, out, dout, len_q_pad)
     scalars = (params.scale * LOG2E, params.scale)
     options = kernel_options(cfg, causal, accumulate_into is not None)
-    dq_sum = semaphores = None
-    if dq_in_dkdv:
-        adds_in_place = accumulate_into is not None and tma_compatible(dq)
-        dq_sum = dq if adds_in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    if path == "ordered":
-        semaphores = torch.zeros(batch * heads_q, len_q_pad // cfg.dkdv_block_m, 2, dtype=torch.int32,
-                                 device=q.device)
+    dq_sum, semaphores = dq_accumulators(path, q, dq, accumulate_into is not None, len_q_pad // cfg.dkdv_block_m)
     args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores)
     gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, **options)
     if not dq_in_dkdv:
