@@ -10,9 +10,10 @@ efficient backends, and FlexAttention under torch.compile; with
 `settings.atomic_dq` (dQ by atomics: the variant the FlashAttention, cuDNN and
 Flex backwards are); a "-head-major" suffix (exattn-triton-head-major,
 exattn-triton-atomic-head-major) runs causal work tiles in plain head-major
-order instead of `schedule.heads_per_group`'s, and exattn-triton-two-kernel the
+order instead of `schedule.heads_per_group`'s, exattn-triton-two-kernel the
 deterministic backward with its dQ kernel everywhere (`settings.ordered_dq`
-off), for A/B runs. A failing implementation gives a row of
+off), and exattn-triton-ordered the ordered dQ wherever it fits (any length
+of the Gluon backward), for A/B runs. A failing implementation gives a row of
 nulls with the error. Compilation (exattn kernels, FlexAttention graphs) is
 first warmed in parallel worker processes sharing the on-disk caches.
 
@@ -105,7 +106,7 @@ def attention_function(impl, cell):
     if impl.startswith("exattn-triton"):
         atomic, head_major, two_kernel = "-atomic" in impl, impl.endswith("-head-major"), "-two-kernel" in impl
         return (lambda q, k, v: exattn.attention(q, k, v, causal=causal, backend="triton")), (
-            lambda: exattn_setting(atomic, head_major, two_kernel))
+            lambda: exattn_setting(atomic, head_major, two_kernel, ordered_everywhere=impl.endswith("-ordered")))
     if impl == "flex":
         return flex_function(cell), contextlib.nullcontext
     backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -115,20 +116,23 @@ def attention_function(impl, cell):
 
 
 @contextlib.contextmanager
-def exattn_setting(atomic_dq: bool, head_major: bool, two_kernel: bool = False):
+def exattn_setting(atomic_dq: bool, head_major: bool, two_kernel: bool = False, ordered_everywhere: bool = False):
     """settings.atomic_dq; head_major: causal work tiles in head-major order (the order before
-    `schedule.heads_per_group`, for A/B runs); two_kernel: settings.ordered_dq off."""
-    from exattn.backends.triton import schedule, settings
+    `schedule.heads_per_group`, for A/B runs); two_kernel: settings.ordered_dq off;
+    ordered_everywhere: the ordered dQ for every length of the Gluon backward where it fits."""
+    from exattn.backends.triton import gluon_backward, schedule, settings
 
-    saved = settings.atomic_dq, settings.ordered_dq, schedule.heads_per_group
+    saved = settings.atomic_dq, settings.ordered_dq, schedule.heads_per_group, gluon_backward.ORDERED_DQ_MIN_LEN
     settings.atomic_dq = atomic_dq
     settings.ordered_dq = not two_kernel
     if head_major:
         schedule.heads_per_group = lambda *args: 1
+    if ordered_everywhere:
+        gluon_backward.ORDERED_DQ_MIN_LEN = 1
     try:
         yield
     finally:
-        settings.atomic_dq, settings.ordered_dq, schedule.heads_per_group = saved
+        settings.atomic_dq, settings.ordered_dq, schedule.heads_per_group, gluon_backward.ORDERED_DQ_MIN_LEN = saved
 
 
 def make_inputs(cell):

@@ -71,13 +71,13 @@ def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, 
     lse2 = delta = torch.empty(8, pad)
     if kind == "dkdv":
         dq_sum = torch.empty(q.shape) if dq_mode != "kernel" else None
-        semaphores = torch.empty(8, pad // cfg.dkdv_block_m, 2, dtype=torch.int32) if dq_mode == "ordered" else None
+        semaphores = torch.empty(8, pad // cfg.dkdv_block_m, dtype=torch.int32) if dq_mode == "ordered" else None
         args, _ = gb.dkdv_arguments(q, q, k, v, lse2, delta, dk, dv, pad, cfg, False, dq_sum, semaphores)
-        stages = cfg.dkdv_stages
+        stages = dict(STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots)
     else:
         args, _ = gb.dq_arguments(q, q, k, v, lse2, delta, dq, pad, cfg, False)
-        stages = cfg.dq_stages
-    return (*args, 0.5, 0.1), dict(STAGES=stages, **gb.kernel_options(cfg, False, accumulate))
+        stages = dict(STAGES=cfg.dq_stages)
+    return (*args, 0.5, 0.1), dict(**stages, **gb.kernel_options(cfg, False, accumulate))
 
 
 def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accumulate: bool = False,
@@ -123,12 +123,12 @@ def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accu
 def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, config_id, tmp_path):
     kernel = compile_for_sm90(kind, dim, causal, dtype, accumulate, config_id)
     usage = resource_usage(kernel, tmp_path)
-    # dK/dV, causal, d = 128: ptxas parks scalars in 8 bytes of stack (atomic: two of the diagonal
-    # mask, reloaded on diagonal tiles only; deterministic: one, stored before the sweep, reloaded after);
-    # ordered: the semaphore indices and rank inputs as well (72 bytes; a few local loads per step)
-    stack = 8 if (kind, dim, causal) == ("dkdv", 128, True) else 0
-    if (kind, dim, causal, config_id) == ("dkdv", 128, True, "ordered"):
-        stack = 72
+    # dK/dV, d = 128: ptxas parks scalars in bytes of stack. Causal: those of the diagonal mask, reloaded
+    # on diagonal tiles only (8 bytes; 32 with the dQ staging of atomic and ordered dQ); with their 3
+    # Q/dO ring slots also one loop scalar (8 bytes non-causal)
+    stack = 0
+    if (kind, dim) == ("dkdv", 128):
+        stack = 32 if config_id in ("atomic", "ordered") and causal else 8 if causal or config_id in ("atomic", "ordered") else 0
     assert usage["LOCAL"] == 0 and usage["STACK"] <= stack, f"register spills: {usage}"
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
@@ -136,16 +136,18 @@ def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, 
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, "dP no longer overlaps the exponentials"
     assert "cp.async.bulk.tensor.4d" in ptx, "no TMA loads of 4-D boxes"
     assert "tensormap.replace" not in ptx, "descriptors are made on the host, not per program"
-    atomics = re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red|cp\.reduce)\.\S*", ptx, re.MULTILINE)
+    atomics = [a.split()[-1] for a in
+               re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red|cp\.reduce)\.\S*", ptx, re.MULTILINE)]
     reduction = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"
-    if config_id == "atomic":
-        reductions = [a.split()[-1] for a in atomics]  # one TMA reduction per consumer warpgroup
-        assert reductions == [reduction] * 2, atomics
-    elif config_id == "ordered":  # per warpgroup: the reduction, a release in the sweep and one after it
-        assert sorted(a.split()[-1] for a in atomics) == sorted([reduction] * 2 + ["atom.global.gpu.relaxed.add.u32"] * 4)
-        assert ptx.count("ld.relaxed.gpu.global.b32") == 2, "each warpgroup reads its turn early"
-        assert ptx.count("ld.global.acquire.gpu.b32") == 2, "and waits for it if it has not come"
-        assert ptx.count("cp.async.bulk.wait_group 0;") == 4, "a turn passes once the reduction is written"
+    if config_id in ("atomic", "ordered"):  # the writer warp's TMA reductions (two halves, 128-byte boxes)
+        reductions = [a for a in atomics if a == reduction]
+        assert len(reductions) == max(2, dim // 32), atomics
+        turns = ["atom.global.gpu.relaxed.add.u32"] if config_id == "ordered" else []
+        assert [a for a in atomics if a != reduction] == turns, atomics
+        expected = 1 if config_id == "ordered" else 0
+        assert ptx.count("ld.relaxed.gpu.global.b32") == expected, "the writer reads its turn early"
+        assert ptx.count("ld.global.acquire.gpu.b32") == expected, "and waits for it if it has not come"
+        assert ptx.count("cp.async.bulk.wait_group 0;") == expected, "a turn passes once the reduction is written"
     else:
         assert not atomics, f"atomics {atomics[:3]}: the backward must stay deterministic"
 
@@ -238,8 +240,7 @@ def test_tma_strides_fix_only_dims_of_size_one():
 
 
 def ordered_everywhere(monkeypatch):
-    """The ordered dQ for every head dim and length it fits (by default d = 128 from Nq = 4096)."""
-    monkeypatch.setattr(gb, "ORDERED_DQ_DIMS", (64, 128))
+    """The ordered dQ for every length it fits (by default from Nq = 4096)."""
     monkeypatch.setattr(gb, "ORDERED_DQ_MIN_LEN", 1)
 
 
@@ -256,11 +257,12 @@ def test_ordered_dq_serves_only_where_it_cannot_deadlock_or_serialize(causal, le
     monkeypatch.setattr(gb, "resident_programs", lambda device: resident)
     q, k = torch.empty(1, 4, len_q, 128), torch.empty(1, 2, len_k, 128)
     assert gb.ordered_dq_fits(q, k, causal) == fits
-    measured = len_q >= 4096  # the lengths where it was measured against the dQ kernel
+    measured = len_q >= 2048  # the lengths where it was measured against the dQ kernel
     assert gb.dq_path(q, k, causal, atomic_dq=False, accumulating=False) == (
         "ordered" if fits and measured else "kernel")
-    q64, k64 = q[..., :64], k[..., :64]  # d = 64: the dQ kernel measured faster
-    assert gb.dq_path(q64, k64, causal, atomic_dq=False, accumulating=False) == "kernel"
+    q64, k64 = q[..., :64], k[..., :64]
+    assert gb.dq_path(q64, k64, causal, atomic_dq=False, accumulating=False) == (
+        "ordered" if fits and measured else "kernel")
     ordered_everywhere(monkeypatch)
     assert gb.dq_path(q, k, causal, atomic_dq=False, accumulating=False) == ("ordered" if fits else "kernel")
     assert gb.dq_path(q64, k64, causal, atomic_dq=False, accumulating=False) == ("ordered" if fits else "kernel")
@@ -369,7 +371,7 @@ def test_launch_forms_dq_the_way_dq_path_says(causal, atomic_dq, ordered_dq, acc
     (args,) = dkdv.launches
     semaphores = args[DKDV_SEM]
     if path == "ordered":
-        assert semaphores.dtype == torch.int32 and semaphores.shape == (4, 1, 2) and not semaphores.any()
+        assert semaphores.dtype == torch.int32 and semaphores.shape == (4, 1) and not semaphores.any()
     else:
         assert semaphores is None
     assert len(dq_kernel.launches) == (path == "kernel")

@@ -1,22 +1,24 @@
 """dQ added in a fixed order inside the Gluon dK/dV kernel: a deterministic backward without a dQ kernel.
 
-Each key block of the dK/dV kernel adds its float32 share of every dQ tile it
-sees by a TMA reduction (`gluon_backward.reduce_dq`). To make the sum's order
-fixed, each dQ tile half has an int32 semaphore in global memory that counts
-the contributions added so far:
+The dK/dV kernel's consumer warpgroups stage their float32 share of each dQ
+tile in shared memory; its writer warp (`gluon_backward.dq_writer_partition`)
+adds the staged tiles to the float32 dQ by TMA reductions. To make the sum's
+order fixed, each dQ tile has an int32 semaphore in global memory that counts
+the contributions added so far, and the writer, per staged tile:
 
     rank = dq_rank(...)                      # the order in which the sweeps reach the tile
-    seen = load_early(semaphore)             # while dV and dK are on the tensor cores
+    seen = load_early(semaphore)             # before the tile is staged
     wait_turn(semaphore, rank, seen)         # spins only if the turn has not come
-    <TMA reduction of the tile>
-    ... next step: settle_dq(semaphore)      # once written in L2: semaphore += 1
+    <TMA reductions of the tile's two halves>
+    settle_dq(semaphore)                     # once written in L2: semaphore += 1
 
-The order follows the sweeps, so a block waits only on blocks that reach the
-tile before it: causal (Nk <= Nq), from the last key block that sees a tile
-down to block 0 (a block starts its sweep two 64-row tiles after its
-predecessor); full attention, rotated sweeps (`sweep_start`) and a cyclic
-order. Either way every block a block may wait on must be resident at once
-(`gluon_backward.ordered_dq_fits`).
+The consumers never wait for a turn: they run ahead as far as the staging
+slots allow. The order follows the sweeps, so a block waits only on blocks
+that reach the tile before it: causal (Nk <= Nq), from the last key block
+that sees a tile down to block 0 (a block starts its sweep two 64-row tiles
+after its predecessor); full attention, rotated sweeps (`sweep_start`) and a
+cyclic order. Either way every block a block may wait on must be resident at
+once (`gluon_backward.ordered_dq_fits`).
 
 The increment is relaxed: a release puts a GPU-wide memory barrier into every
 step (0.65-0.96x the dK/dV + dQ kernel pair, against 0.90-1.05x without it;
@@ -98,7 +100,7 @@ def bulk_writes_done():
 
 @gluon.jit
 def pass_turn(semaphore):
-    """One thread of the warpgroup adds 1 to the int32 semaphore: a relaxed reduction, no memory
+    """One thread of the partition adds 1 to the int32 semaphore: a relaxed reduction, no memory
     barrier (a release would wait for every outstanding access of the thread). The writes it
     publishes are TMA reductions already complete in L2 (`bulk_writes_done`), where the next
     contributor's reduction, issued only after it saw this increment, lands after them."""
@@ -106,10 +108,9 @@ def pass_turn(semaphore):
 
 
 @gluon.jit
-def settle_dq(semaphore, issued):
-    """Once this warpgroup's last dQ reduction (if `issued`) is complete in global memory, let the
-    next contribution to its tile go (`pass_turn`)."""
+def settle_dq(semaphore):
+    """Once this thread's dQ reductions are complete in global memory, let the next contribution to
+    their tile go (`pass_turn`)."""
     bulk_writes_done()
     gl.thread_barrier()
-    if issued:
-        pass_turn(semaphore)
+    pass_turn(semaphore)

@@ -34,9 +34,10 @@ read once into registers and the S and dP wgmmas take them from there, which
 halves those wgmmas' shared-memory reads. One Triton kernel (`row_stats_kernel`)
 forms delta and the base-2 lse, padded, before the two passes.
 
-Ordered dQ (`dq_path`: d = 128, Nq >= 4096, where `ordered_dq_fits`): no dQ
-kernel; the dK/dV kernel adds its dQ tiles by TMA reductions in a fixed order
-per tile (`dq_order.py`).
+Atomic and ordered dQ (`dq_path`; ordered: Nq >= 4096, where `ordered_dq_fits`):
+no dQ kernel; the dK/dV kernel's consumers stage their dQ tiles in shared
+memory and its writer warp adds them by TMA reductions, for ordered dQ in a
+fixed order per tile (`dq_order.py`).
 
 Each output element has one owner or a fixed summation order: reruns are
 bitwise equal. A query row with lse = -inf (it sees no key) uses
@@ -95,27 +96,30 @@ from .passes import LOG2E, grid_of, on_device, settings
 class GluonBackwardConfig(NamedTuple):
     """dkdv_block_m: queries per step of the dK/dV sweep, with `dkdv_stages` Q/dO slots;
     dq_block_n: keys per step of the dQ sweep, with `dq_stages` K/V slots; in_registers:
-    the resident tiles (K, V; Q, dO) are register operands of the S and dP wgmmas."""
+    the resident tiles (K, V; Q, dO) are register operands of the S and dP wgmmas;
+    dq_slots (atomic and ordered dQ): staged float32 dQ tiles between the consumers and
+    the writer warp, so the consumers run that many steps ahead of a turn that has not come."""
 
     dkdv_block_m: int
     dkdv_stages: int
     dq_block_n: int
     dq_stages: int
     in_registers: bool = False
+    dq_slots: int = 2
 
 
 # d = 64: 128-key dQ steps with register operands, 1.06-1.17x the 64x4/64x4 shared-memory tiles and the
 # Triton backward from 4k (benchmarks/results/gluon-backward-h200-d64-in-registers.json).
 CONFIGS = {64: GluonBackwardConfig(64, 4, 128, 2, in_registers=True), 128: GluonBackwardConfig(64, 4, 64, 4)}
-# atomic_dq (dQ added by TMA reductions from the dK/dV kernel): the dS and float32 dQ tiles
-# take the shared memory of two ring slots. The ordered variant runs the same tiles.
-ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True), 128: GluonBackwardConfig(64, 2, 0, 0)}
-# Head dims and query lengths where the deterministic backward adds dQ in order in the dK/dV kernel
-# (where it fits): d = 128 at 4k and 16k read 1.00-1.05x the dK/dV + dQ kernel pair in one run, d = 64
-# 0.90-0.95x of it (shorter steps leave the turns less room; benchmarks/results/ordered-dq-h200.json).
-# Shorter lengths were not compared in one run.
-ORDERED_DQ_DIMS = (128,)
-ORDERED_DQ_MIN_LEN = 4096
+# atomic and ordered dQ (added by TMA reductions from the dK/dV kernel): the dS and float32 dQ tiles
+# take the shared memory of ring slots. d = 128: 3 Q/dO slots and 1 dQ slot read 1.03-1.10x 2 and 2
+# (ordered, bf16, N = 4k / 16k; 4 dQ slots at d = 64: 0.98-1.01x 2; benchmarks/results/dq-slots-h200.json).
+ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True),
+                  128: GluonBackwardConfig(64, 3, 0, 0, dq_slots=1)}
+# Query lengths from which the deterministic backward adds dQ in order in the dK/dV kernel (where it
+# fits): with the writer warp 1.02-1.09x the dK/dV + dQ kernel pair at d = 64 and 128, N = 4k and 16k,
+# and within 3% of atomic dQ (benchmarks/results/ordered-dq-h200.json). Shorter lengths: not compared.
+ORDERED_DQ_MIN_LEN = 2048
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -173,6 +177,20 @@ def key_block_of(pid, num_col_tiles, heads_per_group, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group, BLOCK_M: gl.constexpr,
+                    CAUSAL: gl.constexpr, ROTATE: gl.constexpr):
+    """(b, hk, n0, lo, full, tiles, start) of this dK/dV program: keys [n0, n0 + 128) of K/V head
+    (b, hk), seen by query tiles [lo, lo + tiles), [full, lo + tiles) unmasked (`query_tiles`); its
+    sweep over them starts at `start` (`sweep_tile`)."""
+    heads_k = heads_q // group
+    bhk, n0 = key_block_of(gl.program_id(0), num_col_tiles, heads_per_group, CAUSAL)
+    lo, full, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
+    tiles = gl.maximum(hi - lo, 0)
+    start = sweep_start(n0 // (2 * ROWS), num_col_tiles, tiles, ROTATE)
+    return bhk // heads_k, bhk % heads_k, n0, lo, full, tiles, start
+
+
+@gluon.jit
 def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                         v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
                         len_q_pad, len_k, group, CAUSAL: gl.constexpr, ROTATE: gl.constexpr):
@@ -180,20 +198,15 @@ def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
     kv_bar, q_ready, do_ready, empty = bars
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
-    heads_k = heads_q // group
-    bhk, n0 = key_block_of(gl.program_id(0), num_col_tiles, heads_per_group, CAUSAL)
-    b = bhk // heads_k
-    hk = bhk % heads_k
+    b, hk, n0, lo, _, tiles, start = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
+                                                     BLOCK_M, CAUSAL, ROTATE)
     bh0 = b * heads_q + hk * group
-    lo, _, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + half * ROWS, 0], kv_bar,
                                         as_box(k_smem.index(half), k_desc))
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0 + half * ROWS, 0], kv_bar,
                                         as_box(v_smem.index(half), v_desc))
-    tiles = gl.maximum(hi - lo, 0)
-    start = sweep_start(n0 // (2 * ROWS), num_col_tiles, tiles, ROTATE)
     for j in range(group * tiles):
         g = j // tiles
         row = sweep_tile(j, lo, tiles, start, ROTATE) * BLOCK_M
@@ -249,37 +262,66 @@ def issue_dq(ds_smem, ds_ready, k_smem, j, HALF: gl.constexpr, BLOCK_M: gl.const
 
 
 @gluon.jit
-def reduce_dq(dq, dq_smem, dq_desc, target, turn, seen, HALF: gl.constexpr, ORDERED: gl.constexpr,
-              CAUSAL: gl.constexpr):
-    """Add this warpgroup's [BLOCK_M, D/2] dQ tile into the float32 dQ at target = (b, head, row)
-    with a TMA reduction, once the previous one has read the staging tile. ORDERED (`settle_dq` freed
-    the staging tile): only after the contributions that come before this one (`wait_turn`, from
-    the semaphore value `seen`; turn as in `dkdv_step`)."""
-    staging = dq_smem.index(HALF)
-    if not ORDERED:
-        tma.store_wait(0)
-        gl.thread_barrier()
-    staging.store(dq)
+def stage_dq(dq, dq_smem, dq_bars, j, HALF: gl.constexpr):
+    """This warpgroup's [BLOCK_M, D/2] dQ tile of step j into its half of staging slot j % SLOTS, once
+    the writer warp has read what the slot held, then signal it (`dq_writer_partition`)."""
+    staged, free = dq_bars
+    SLOTS: gl.constexpr = staged.shape[0]
+    slot = j % SLOTS
+    mbarrier.wait(free.index(slot), ((j // SLOTS) & 1) ^ 1)
+    dq_smem.index(slot * 2 + HALF).store(dq)
     fence_async_shared()
-    if ORDERED:
-        rank = dq_rank(turn[4], target[2] // dq.shape[0], turn[5], turn[6], turn[7], dq.shape[0], CAUSAL)
-        wait_turn(turn[0] + turn[1], rank, seen)
     gl.thread_barrier()
-    async_reduce_add(dq_desc, [target[0], target[1], target[2], HALF * dq.shape[1]], as_box(staging, dq_desc))
+    mbarrier.arrive(staged.index(slot), count=1)
+
+
+@gluon.jit
+def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
+                        BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                        ROTATE: gl.constexpr):
+    """Writer warp (ATOMIC_DQ; idle otherwise): adds each staged dQ tile, both warpgroups' halves,
+    into the float32 dQ by TMA reductions and frees its slot once they have read it. With SEM, one
+    tile after another in the order of `dq_rank` (`dq_order.py`)."""
+    if ATOMIC_DQ:
+        dq_smem, dq_desc, dq_bars = dq_parts[3], dq_parts[4], dq_parts[6]
+        staged, free = dq_bars
+        SLOTS: gl.constexpr = staged.shape[0]
+        COLS: gl.constexpr = dq_smem.shape[2]
+        ORDERED: gl.constexpr = SEM is not None
+        b, hk, n0, lo, _, tiles, start = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k,
+                                                         group, BLOCK_M, CAUSAL, ROTATE)
+        row_tiles = gl.cdiv(len_q, BLOCK_M)
+        for j in range(group * tiles):
+            t = sweep_tile(j, lo, tiles, start, ROTATE)
+            head = hk * group + j // tiles
+            slot = j % SLOTS
+            if ORDERED:
+                semaphore = SEM + (b * heads_q + head) * row_tiles + t
+                seen = load_early(semaphore)
+            mbarrier.wait(staged.index(slot), (j // SLOTS) & 1)
+            if ORDERED:
+                rank = dq_rank(n0 // (2 * ROWS), t, num_col_tiles, row_tiles, len_k - len_q, BLOCK_M, CAUSAL)
+                wait_turn(semaphore, rank, seen)
+            for half in gl.static_range(2):
+                async_reduce_add(dq_desc, [b, head, t * BLOCK_M, half * COLS],
+                                 as_box(dq_smem.index(slot * 2 + half), dq_desc))
+            tma.store_wait(0)
+            gl.thread_barrier()
+            mbarrier.arrive(free.index(slot), count=1)
+            if ORDERED:
+                settle_dq(semaphore)
+        tma.store_wait(0)
 
 
 @gluon.jit
 def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagonal, t, j, full, scale_log2,
               s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr, IN_REGISTERS: gl.constexpr,
-              dq_parts, dq_target, turn, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr, ORDERED: gl.constexpr):
+              dq_parts, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr):
     """One query tile t (ring slot of step j) into keys [first, first + 64) of (dk, dv); tiles t < full
     are masked (causal diagonal = first - (Nk - Nq)). Returns (dk, dv, k, v).
 
-    ATOMIC_DQ: also add this step's scale * dS K into the float32 dQ at dq_target = (b, head, row);
-    dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale) (`gluon_dkdv_kernel`). ORDERED:
-    in a fixed order, turn = (SEM, this tile's semaphore, the previous step's, j, and the inputs of
-    `dq_rank`): the previous step's reduction is settled (`settle_dq`) and this tile's semaphore read
-    while dV and dK are on the tensor cores, so a turn that has come costs no wait.
+    ATOMIC_DQ: also stage this step's scale * dS K for the writer warp, which adds it into the float32
+    dQ; dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale, dq_bars) (`gluon_dkdv_kernel`).
 
     k, v: this warpgroup's keys, as shared-memory tiles or (IN_REGISTERS) as register operands. Register
     operands pass through the waits of their wgmmas and come back for the next step: held only as
@@ -317,15 +359,11 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
     dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
     if ATOMIC_DQ:  # dS^T goes to shared memory while dV and dK are on the tensor cores
-        seen = 0
-        if ORDERED:
-            settle_dq(turn[0] + turn[2], turn[3] > 0)
-            seen = load_early(turn[0] + turn[1])
         share_ds(ds, dq_parts[0], dq_parts[1], j, HALF)
         dq_tok = issue_dq(dq_parts[0], dq_parts[1], dq_parts[2], j, HALF, BLOCK_M)
         dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, dv_tok, dk_tok, p_op, ds_op))
         release(empty, j, STAGES)
-        reduce_dq(dq * dq_parts[5], dq_parts[3], dq_parts[4], dq_target, turn, seen, HALF, ORDERED, CAUSAL)
+        stage_dq(dq * dq_parts[5], dq_parts[3], dq_parts[6], j, HALF)
     else:
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         release(empty, j, STAGES)
@@ -346,44 +384,28 @@ def resident_operand(smem, acc_layout: gl.constexpr, IN_REGISTERS: gl.constexpr)
 def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars,
                            DK, DV, dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
                            scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
-                           IN_REGISTERS: gl.constexpr, dq_parts, SEM, ATOMIC_DQ: gl.constexpr,
-                           ROTATE: gl.constexpr):
+                           IN_REGISTERS: gl.constexpr, dq_parts, ATOMIC_DQ: gl.constexpr, ROTATE: gl.constexpr):
     """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV (and with
-    ATOMIC_DQ adds their share of dQ, see `dkdv_step`; in a fixed order if SEM is given)."""
+    ATOMIC_DQ stages their share of dQ, see `dkdv_step`)."""
     kv_bar = bars[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    bhk, n0 = key_block_of(gl.program_id(0), num_col_tiles, heads_per_group, CAUSAL)
-    lo, full, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
+    _, _, n0, lo, full, tiles, start = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
+                                                       BLOCK_M, CAUSAL, ROTATE)
     first = n0 + half * ROWS
     dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
-    tiles = gl.maximum(hi - lo, 0)
-    col_tile = n0 // (2 * ROWS)
-    start = sweep_start(col_tile, num_col_tiles, tiles, ROTATE)
-    ORDERED: gl.constexpr = SEM is not None
-    previous = 0
     mbarrier.wait(kv_bar, 0)
     k = resident_operand(k_smem.index(half), s_layout, IN_REGISTERS)
     v = resident_operand(v_smem.index(half), s_layout, IN_REGISTERS)
     for j in range(group * tiles):
         t = sweep_tile(j, lo, tiles, start, ROTATE)
-        dq_target = (bhk // (heads_q // group), bhk % (heads_q // group) * group + j // tiles, t * BLOCK_M)
-        turn = (SEM, 0, 0, j)
-        if ORDERED:
-            semaphore = ((dq_target[0] * heads_q + dq_target[1]) * hi + t) * 2 + half
-            turn = (SEM, semaphore, previous, j, col_tile, num_col_tiles, hi, len_k - len_q)
-            previous = semaphore
         dk, dv, k, v = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv,
                                  first - (len_k - len_q), t, j, full, scale_log2, s_layout, op_layout, CAUSAL,
-                                 IN_REGISTERS, dq_parts, dq_target, turn, half, ATOMIC_DQ, ORDERED)
-    if ORDERED:
-        settle_dq(SEM + previous, tiles > 0)
-    elif ATOMIC_DQ:
-        tma.store_wait(0)
+                                 IN_REGISTERS, dq_parts, half, ATOMIC_DQ)
     bhk, n0 = key_block_of(program_id_again(), num_col_tiles, heads_per_group, CAUSAL)
     first = n0 + half * ROWS
     heads_k = heads_q // group
@@ -400,12 +422,13 @@ def gluon_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides,
     heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM, scale_log2, scale,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
+    DQ_SLOTS: gl.constexpr,
 ):
     """Grid: (num_col_tiles * B * Hk,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
     [1, 1, BLOCK_M, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, 64, D] boxes; dq_desc: None, or
     (atomic_dq) a float32 (B, Hq, Nq, D) the kernel adds scale * dS K into, [1, 1, BLOCK_M, D/2] boxes.
-    SEM: None, or with dq_desc zeroed int32 (B * Hq, cdiv(Nq, BLOCK_M), 2): one semaphore per dQ tile
-    half, so its contributions are added in a fixed order (`dq_rank`; every program of a causal head
+    SEM: None, or with dq_desc zeroed int32 (B * Hq, cdiv(Nq, BLOCK_M)): one semaphore per dQ tile,
+    so its contributions are added in a fixed order (`dq_rank`; every program of a causal head
     group, or of a full-attention head, must fit on the GPU at once: `ordered_dq_fits`).
 
     DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE; strides (batch,
@@ -438,15 +461,20 @@ def gluon_dkdv_kernel(
     ATOMIC_DQ: gl.constexpr = dq_desc is not None
     ROTATE: gl.constexpr = SEM is not None and not CAUSAL
     dq_parts = 0
-    if ATOMIC_DQ:  # dS^T halves (2 steps x 2 warpgroups), float32 dQ staging per warpgroup
+    if ATOMIC_DQ:  # dS^T halves (2 steps x 2 warpgroups); DQ_SLOTS slots of float32 dQ tiles (two halves)
         ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D // 2],
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_SLOTS, BLOCK_M, D // 2],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, D // 2], gl.float32))
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        staged = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(ds_ready.index(0), count=2)
         mbarrier.init(ds_ready.index(1), count=2)
-        dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale)
+        for i in gl.static_range(DQ_SLOTS):
+            mbarrier.init(staged.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(free.index(i), count=1)  # the writer's
+        dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale, (staged, free))
 
     # Arguments written out in each tuple: a tuple bound to a name would turn the constexprs
     # into run-time values inside the partitions. Each partition derives its tiles from the
@@ -454,16 +482,16 @@ def gluon_dkdv_kernel(
     gl.warp_specialize([
         (dkdv_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
-                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, SEM, ATOMIC_DQ,
-                                  ROTATE)),
+                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ, ROTATE)),
         (dkdv_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
-                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, SEM, ATOMIC_DQ,
-                                  ROTATE)),
+                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ, ROTATE)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
                                len_q_pad, len_k, group, CAUSAL, ROTATE)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        (dq_writer_partition, (dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group, BLOCK_M,
+                               CAUSAL, ATOMIC_DQ, ROTATE)),
+    ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 # ---------------------------------------------------------------- dQ
@@ -708,12 +736,11 @@ def resident_programs(device: torch.device) -> int:
 
 def dq_path(q: torch.Tensor, k: torch.Tensor, causal: bool, atomic_dq: bool, accumulating: bool) -> str:
     """How the backward forms dQ: "atomic" (the dK/dV kernel's TMA reductions, in any order),
-    "ordered" (the same in a fixed order, `settings.ordered_dq`, at ORDERED_DQ_DIMS from
-    ORDERED_DQ_MIN_LEN query rows) or "kernel" (a dQ kernel)."""
+    "ordered" (the same in a fixed order, `settings.ordered_dq`, from ORDERED_DQ_MIN_LEN query
+    rows) or "kernel" (a dQ kernel)."""
     if atomic_dq:
         return "atomic"
-    if (settings.ordered_dq and q.shape[-1] in ORDERED_DQ_DIMS and q.shape[2] >= ORDERED_DQ_MIN_LEN
-            and not accumulating and ordered_dq_fits(q, k, causal)):
+    if settings.ordered_dq and q.shape[2] >= ORDERED_DQ_MIN_LEN and not accumulating and ordered_dq_fits(q, k, causal):
         return "ordered"
     return "kernel"
 
@@ -757,14 +784,14 @@ def kernel_options(cfg: GluonBackwardConfig, causal: bool, accumulate: bool) -> 
 def dq_accumulators(path: str, q: torch.Tensor, dq: torch.Tensor, accumulating: bool, row_tiles: int):
     """(dq_sum, semaphores) for `dq_path`'s path: the float32 dQ the dK/dV kernel adds into (the
     caller's float32 dq itself when accumulating into TMA-compatible strides, else zeros; None for a
-    dQ kernel), and for "ordered" zeroed int32 (B * Hq, row_tiles, 2) semaphores (else None)."""
+    dQ kernel), and for "ordered" zeroed int32 (B * Hq, row_tiles) semaphores (else None)."""
     if path == "kernel":
         return None, None
     in_place = accumulating and tma_compatible(dq)
     dq_sum = dq if in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if path != "ordered":
         return dq_sum, None
-    return dq_sum, torch.zeros(q.shape[0] * q.shape[1], row_tiles, 2, dtype=torch.int32, device=q.device)
+    return dq_sum, torch.zeros(q.shape[0] * q.shape[1], row_tiles, dtype=torch.int32, device=q.device)
 
 
 def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, atomic_dq: bool):
@@ -788,7 +815,7 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     options = kernel_options(cfg, causal, accumulate_into is not None)
     dq_sum, semaphores = dq_accumulators(path, q, dq, accumulate_into is not None, len_q_pad // cfg.dkdv_block_m)
     args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores)
-    gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, **options)
+    gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots, **options)
     if not dq_in_dkdv:
         args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg, options["CAUSAL"])
         gluon_dq_kernel[grid](*args, *scalars, STAGES=cfg.dq_stages, **options)

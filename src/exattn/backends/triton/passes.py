@@ -40,12 +40,12 @@ class TritonSettings:
         their deterministic default (0.33-0.69x cuDNN at 1k-2k): set it for long
         sequences only (docs/triton.md, docs/performance.md).
         Env: EXATTN_TRITON_ATOMIC_DQ=1.
-    ordered_dq: in the deterministic Gluon backward at d = 128 from Nq = 4096, the dK/dV
-        kernel adds dQ itself by TMA reductions, each dQ tile's contributions
-        in a fixed order (a semaphore per tile), where one head's key blocks
-        fit on the GPU at once and the lengths allow
+    ordered_dq: in the deterministic Gluon backward (d = 64 and 128) from Nq = 4096, the
+        dK/dV kernel adds dQ itself by TMA reductions (a writer warp), each dQ
+        tile's contributions in a fixed order (a semaphore per tile), where one
+        head's key blocks fit on the GPU at once and the lengths allow
         (`gluon_backward.ordered_dq_fits`; not with `accumulate_into`):
-        1.00-1.05x the dK/dV + dQ kernel pair it replaces, which serves
+        1.02-1.09x the dK/dV + dQ kernel pair it replaces, which serves
         everywhere else (and everywhere with it off). Bitwise reproducible
         either way. Env: EXATTN_TRITON_ORDERED_DQ=0 turns it off.
     use_tma: load tiles through TMA tensor descriptors where the strides allow
