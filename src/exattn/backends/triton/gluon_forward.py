@@ -319,7 +319,8 @@ def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, 
 def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, m0, heads_q, ring0, len_q, len_k,
                 scale_log2, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """Rows m0 + 64*half + [0, 64) of (b, h) against the key tiles at ring positions ring0, ...: writes
-    their lse, and their out into q's slot (TMA store, waited for). Returns the number of key tiles."""
+    their lse, and their out into q's slot (TMA store, waited for). Returns the number of key tiles
+    loaded for the work tile; under causal these rows may see fewer (`skip_tiles`)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     DV: gl.constexpr = v_smem.shape[2]
@@ -330,12 +331,16 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
 
-    num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, BLOCK_M)
+    num_tiles, _ = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, BLOCK_M)
+    if PINGPONG:  # every warpgroup takes its turn at every key tile
+        own_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, BLOCK_M)
+    else:
+        own_tiles, full_tiles = key_tiles(m0 + half * ROWS, len_q, len_k, BLOCK_N, CAUSAL, ROWS)
     rows = m0 + half * ROWS + gl.arange(0, ROWS, layout=row_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
-    if num_tiles > 0:
+    if own_tiles > 0:
         wait_ready(k_ready, ring0, STAGES)
         take_turn(sched, half, ring0, PINGPONG)
         s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -349,11 +354,11 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
             s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
                                                  j, ring0 + j, len_q, len_k, scale_log2, p_layout, False, CAUSAL,
                                                  PINGPONG)
-        for j in range(gl.maximum(full_tiles, 1), num_tiles):
+        for j in range(gl.maximum(full_tiles, 1), own_tiles):
             s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
                                                  j, ring0 + j, len_q, len_k, scale_log2, p_layout, True, CAUSAL,
                                                  PINGPONG)
-        last = ring0 + num_tiles - 1
+        last = ring0 + own_tiles - 1
         wait_ready(v_ready, last, STAGES)
         acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
@@ -369,8 +374,23 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
     fence_async_shared()
     if m0 + half * ROWS >= 0:  # not a causal tile's padding block (`tile_of`)
         tma.async_copy_shared_to_global(o_desc, [b, h, m0 + half * ROWS, 0], as_box(o_smem, o_desc))
+    skip_tiles(k_smem, bars, ring0 + own_tiles, ring0 + num_tiles)
     tma.store_wait(0)
     return num_tiles
+
+
+@gluon.jit
+def skip_tiles(k_smem, bars, first, end):
+    """Hand back the ring slots of positions [first, end): key tiles of the work tile that this
+    warpgroup's rows do not see (causal: the rows above the tile's last ones). Each waits until its
+    tile has landed, so the arrival counts for that tile, not for the slot's previous one."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
+    for r in range(first, end):
+        wait_ready(k_ready, r, STAGES)
+        release(k_empty, r, STAGES)
+        wait_ready(v_ready, r, STAGES)
+        release(v_empty, r, STAGES)
 
 
 @gluon.jit
