@@ -65,7 +65,7 @@ else
     cp "$OUT/gpu-memory-h200.json" benchmarks/results/
     tail -3 "$OUT/memory.log"
     stamp "prefill"
-    python3 benchmarks/prefill.py --warmup-ms 15 --rep-ms 60 --workers 14 --flex-dtypes bf16 \
+    python3 benchmarks/prefill.py --warmup-ms 10 --rep-ms 30 --rounds 3 --workers 14 --flex-dtypes bf16 \
         --impls exattn-triton,exattn-triton-atomic,sdpa-cudnn,sdpa-flash,sdpa-efficient,flex \
         --out "$OUT/prefill-h200.json" > "$OUT/prefill.log" 2>&1
     cp "$OUT/prefill-h200.json" benchmarks/results/

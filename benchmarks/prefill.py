@@ -3,7 +3,8 @@
 batch * seqlen = 16k tokens, hidden 2048 (heads = 2048 / head_dim); seqlen
 1k..16k, head dim 64 and 128, causal off/on, bf16 and fp16. Forward and
 backward TFLOP/s with FLOPs = 4*B*H*N^2*D (halved for causal, x2.5 backward),
-timed with `triton.testing.do_bench` (median). Implementations, in the same
+timed with `triton.testing.do_bench` (median), `--rounds` times per cell with
+the implementations interleaved (rows keep the median). Implementations, in the same
 run: exattn "triton" (deterministic, the default), SDPA's cuDNN, flash and
 efficient backends, and FlexAttention under torch.compile; with
 `--impls ...,exattn-triton-atomic` also exattn "triton" with
@@ -29,6 +30,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import statistics
 import sys
 import time
 import traceback
@@ -58,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--flex-dtypes", default="bf16,fp16")
     p.add_argument("--warmup-ms", type=float, default=25)
     p.add_argument("--rep-ms", type=float, default=100)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measurements of each implementation per cell, interleaved; rows keep the median")
     p.add_argument("--workers", type=int, default=12, help="processes that pre-compile in parallel (0: none)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/prefill-h200.json"))
     p.add_argument("--table", help="print the docs/performance.md table of a results file and exit")
@@ -195,22 +199,39 @@ def versions() -> dict:
     }
 
 
-def row_for(impl, cell, args):
+def timed_rounds(impls, cell, args) -> dict:
+    """{impl: [(fwd_ms, bwd_ms), ...] or an error string}: `args.rounds` rounds over the
+    implementations, every other round in reverse order, so a drift in the GPU's clock between
+    measurements reaches every implementation alike."""
+    samples = {}
+    for round_ in range(args.rounds):
+        for impl in impls if round_ % 2 == 0 else impls[::-1]:
+            if isinstance(samples.get(impl), str):
+                continue
+            if impl == "flex" and cell["dtype"] not in args.flex_dtypes.split(","):
+                samples[impl] = "skipped (--flex-dtypes)"
+                continue
+            try:
+                samples.setdefault(impl, []).append(measure(impl, cell, args.warmup_ms, args.rep_ms))
+            except Exception as exc:
+                samples[impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                traceback.print_exc(limit=2)
+                torch.cuda.empty_cache()
+    return samples
+
+
+def row_for(impl, cell, samples):
+    """The results row of one implementation and cell: the medians of its rounds (`timed_rounds`)."""
     row = dict(impl=impl, **cell, fwd_tflops=None, bwd_tflops=None, fwd_ms=None, bwd_ms=None, error=None)
-    if impl == "flex" and cell["dtype"] not in args.flex_dtypes.split(","):
-        row["error"] = "skipped (--flex-dtypes)"
+    if isinstance(samples, str):
+        row["error"] = samples
         return row
-    try:
-        fwd_ms, bwd_ms = measure(impl, cell, args.warmup_ms, args.rep_ms)
-    except Exception as exc:
-        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        traceback.print_exc(limit=2)
-        torch.cuda.empty_cache()
-        return row
+    fwd_ms, bwd_ms = (statistics.median(times) for times in zip(*samples))
     sizes = (cell["batch"], cell["heads"], cell["seqlen"], cell["seqlen"], cell["head_dim"], cell["causal"])
     row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms,
                fwd_tflops=attention_flops(*sizes) / fwd_ms * 1e-9,
-               bwd_tflops=attention_flops(*sizes, backward=True) / bwd_ms * 1e-9)
+               bwd_tflops=attention_flops(*sizes, backward=True) / bwd_ms * 1e-9,
+               fwd_ms_rounds=[f for f, _ in samples], bwd_ms_rounds=[b for _, b in samples])
     return row
 
 
@@ -260,8 +281,9 @@ def main(argv=None):
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     for cell in all_cells:
+        samples = timed_rounds(impls, cell, args)
         for impl in impls:
-            row = row_for(impl, cell, args)
+            row = row_for(impl, cell, samples[impl])
             rows.append(row)
             print(f"{impl:15s} {cell['dtype']} d={cell['head_dim']} causal={int(cell['causal'])} "
                   f"N={cell['seqlen']:5d} fwd={row['fwd_tflops'] or 0:6.1f} bwd={row['bwd_tflops'] or 0:6.1f} "

@@ -148,6 +148,8 @@ def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, 
         assert ptx.count("ld.relaxed.gpu.global.b32") == expected, "the writer reads its turn early"
         assert ptx.count("ld.global.acquire.gpu.b32") == expected, "and waits for it if it has not come"
         assert ptx.count("cp.async.bulk.wait_group 0;") == expected, "a turn passes once the reduction is written"
+        stores = re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared::cta\.bulk_group", ptx)
+        assert len(stores) == expected * len(reductions), "ordered: a tile's first contribution is stored"
     else:
         assert not atomics, f"atomics {atomics[:3]}: the backward must stay deterministic"
 
@@ -273,7 +275,8 @@ def test_ordered_dq_serves_only_where_it_cannot_deadlock_or_serialize(causal, le
 
 
 def test_row_stats_pad_and_map_rows_with_no_key():
-    """lse2 = lse * log2(e) (+inf for lse = -inf and in the padding), delta = rowsum(out * dout) (0 there).
+    """lse2 = lse * log2(e) (+inf for lse = -inf and in the padding), delta = rowsum(out * dout) (0 there);
+    the ordered-dQ semaphores it is given are zeroed.
     Runs wherever Triton does: the interpreter on the CPU, the GPU otherwise."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(9)
@@ -281,8 +284,10 @@ def test_row_stats_pad_and_map_rows_with_no_key():
     dout = torch.randn(2, 3, 77, 64, device=device).half()
     lse = torch.randn(2, 3, 77, device=device)
     lse[0, 1, 5] = float("-inf")
-    lse2, delta = gb.row_stats(lse, out, dout, 128)
+    semaphores = torch.randint(1, 100, (6, 2), dtype=torch.int32, device=device)
+    lse2, delta = gb.row_stats(lse, out, dout, 128, semaphores)
     assert lse2.shape == delta.shape == (6, 128)
+    assert (semaphores == 0).all()
     expected = (lse * 1.4426950408889634).reshape(6, 77)
     expected[1, 5] = float("inf")
     torch.testing.assert_close(lse2[:, :77], expected)
@@ -356,8 +361,14 @@ def test_launch_forms_dq_the_way_dq_path_says(causal, atomic_dq, ordered_dq, acc
     ordered_everywhere(monkeypatch)
     monkeypatch.setattr(gb, "resident_programs", lambda device: 132)
     monkeypatch.setattr(gb.settings, "ordered_dq", ordered_dq)
-    added = 1.5  # what the fake dK/dV kernel adds to dQ
-    dkdv = FakeKernel(lambda args: args[DKDV_DQ_DESC] is not None and args[DKDV_DQ_DESC].base.add_(added))
+    added = 1.5  # what the fake dK/dV kernel adds to dQ (ordered: stores, as each tile's first contribution)
+
+    def add_dq(args):
+        if args[DKDV_DQ_DESC] is not None:
+            dq_sum = args[DKDV_DQ_DESC].base
+            dq_sum.fill_(added) if args[DKDV_SEM] is not None else dq_sum.add_(added)
+
+    dkdv = FakeKernel(add_dq)
     dq_kernel = FakeKernel(lambda args: args[DQ_OUT].fill_(3.0))
     monkeypatch.setattr(gb, "gluon_dkdv_kernel", dkdv)
     monkeypatch.setattr(gb, "gluon_dq_kernel", dq_kernel)
@@ -481,6 +492,23 @@ def test_ordered_dq_caps_causal_head_groups_to_resident_programs(d, monkeypatch)
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("resident,shape", [(7, (2, 4, 2, 333, 515)), (7, (3, 2, 2, 640, 600)), (None, (4, 8, 8, 600, 600))],
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_ordered_dq_where_heads_span_two_waves(d, resident, shape, monkeypatch):
+    """Full attention, a head's key blocks launched in different waves of resident programs (5 per
+    head; 7 resident as far as `gluon_backward` knows, or the GPU's SMs): the early blocks wait for
+    the late ones and nothing deadlocks; reruns stay bitwise equal."""
+    ordered_everywhere(monkeypatch)
+    if resident is not None:
+        monkeypatch.setattr(gb, "resident_programs", lambda device: resident)
+    torch.manual_seed(12)
+    assert_reruns_bitwise_equal(*gpu_inputs(*shape, d, torch.bfloat16, with_dout=True), False, reruns=3,
+                                path="ordered")
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("config_id", list(CANDIDATES))
@@ -493,12 +521,36 @@ def test_candidate_configs_match_oracle(dtype, causal, config_id, shape, monkeyp
     check(*gpu_inputs(*shape, 64, dtype, layout="bnhd", with_dout=True), causal)
 
 
+class PoisonedTorch:
+    """torch for `gluon_backward`'s module, except that torch.empty returns NaN (floating) or -7
+    (integer) filled tensors: whatever a kernel is meant to write but does not shows up."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+    @classmethod
+    def empty_like(cls, x, **kwargs):
+        return cls.empty(x.shape, dtype=kwargs.get("dtype", x.dtype), device=kwargs.get("device", x.device))
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("d", [64, 128])
-def test_rows_with_no_key_get_zero_gradients(d):
+@pytest.mark.parametrize("path", ["kernel", "ordered"])
+def test_rows_with_no_key_get_zero_gradients(d, path, monkeypatch):
+    """Also with every buffer from torch.empty poisoned: ordered dQ stores each tile's first
+    contribution instead of adding to zeros, and zeroes only the rows no key block reaches."""
+    monkeypatch.setattr(gb.settings, "ordered_dq", path == "ordered")
+    ordered_everywhere(monkeypatch)
+    monkeypatch.setattr(gb, "torch", PoisonedTorch())
     torch.manual_seed(3)
-    (dq, dk, dv), _ = check(*gpu_inputs(1, 2, 2, 300, 70, d, torch.bfloat16, with_dout=True), causal=True)
+    (dq, dk, dv), _ = check(*gpu_inputs(1, 2, 2, 300, 70, d, torch.bfloat16, with_dout=True), causal=True,
+                            path=path)
     empty = 300 - 70  # rows i with i + Nk - Nq < 0
     assert (dq[:, :, :empty] == 0).all()
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()

@@ -9,7 +9,7 @@ the contributions added so far, and the writer, per staged tile:
     rank = dq_rank(...)                      # the order in which the sweeps reach the tile
     seen = load_early(semaphore)             # before the tile is staged
     wait_turn(semaphore, rank, seen)         # spins only if the turn has not come
-    <TMA reductions of the tile's two halves>
+    <TMA reductions of the tile's two halves> # rank 0: TMA stores (dQ starts unzeroed)
     settle_dq(semaphore)                     # once written in L2: semaphore += 1
 
 The consumers never wait for a turn: they run ahead as far as the staging

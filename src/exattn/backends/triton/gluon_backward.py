@@ -32,12 +32,14 @@ The TMA descriptors are made on the host over whole (B, H, N, D) tensors
 fences one. With `in_registers` (d = 64) K and V (dK/dV) or Q and dO (dQ) are
 read once into registers and the S and dP wgmmas take them from there, which
 halves those wgmmas' shared-memory reads. One Triton kernel (`row_stats_kernel`)
-forms delta and the base-2 lse, padded, before the two passes.
+forms delta and the base-2 lse, padded, before the two passes (and zeroes the
+ordered dQ's semaphores).
 
 Atomic and ordered dQ (`dq_path`; ordered: Nq >= 4096, where `ordered_dq_fits`):
 no dQ kernel; the dK/dV kernel's consumers stage their dQ tiles in shared
 memory and its writer warp adds them by TMA reductions, for ordered dQ in a
-fixed order per tile (`dq_order.py`).
+fixed order per tile (`dq_order.py`), whose first contribution is stored
+instead (the float32 dQ is not zeroed first).
 
 Each output element has one owner or a fixed summation order: reruns are
 bitwise equal. A query row with lse = -inf (it sees no key) uses
@@ -276,6 +278,16 @@ def stage_dq(dq, dq_smem, dq_bars, j, HALF: gl.constexpr):
 
 
 @gluon.jit
+def write_dq_half(dq_desc, coord, half_tile, first_write):
+    """TMA: store the staged half tile into dQ if first_write (the tile's first contribution in a
+    fixed order: dQ need not be zeroed), else add it there."""
+    if first_write:
+        tma.async_copy_shared_to_global(dq_desc, coord, as_box(half_tile, dq_desc))
+    else:
+        async_reduce_add(dq_desc, coord, as_box(half_tile, dq_desc))
+
+
+@gluon.jit
 def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
                         BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                         ROTATE: gl.constexpr):
@@ -299,12 +311,14 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
                 semaphore = SEM + (b * heads_q + head) * row_tiles + t
                 seen = load_early(semaphore)
             mbarrier.wait(staged.index(slot), (j // SLOTS) & 1)
+            first_write = False
             if ORDERED:
                 rank = dq_rank(n0 // (2 * ROWS), t, num_col_tiles, row_tiles, len_k - len_q, BLOCK_M, CAUSAL)
                 wait_turn(semaphore, rank, seen)
+                first_write = rank == 0
             for half in gl.static_range(2):
-                async_reduce_add(dq_desc, [b, head, t * BLOCK_M, half * COLS],
-                                 as_box(dq_smem.index(slot * 2 + half), dq_desc))
+                write_dq_half(dq_desc, [b, head, t * BLOCK_M, half * COLS], dq_smem.index(slot * 2 + half),
+                              first_write)
             tma.store_wait(0)
             gl.thread_barrier()
             mbarrier.arrive(free.index(slot), count=1)
@@ -429,7 +443,8 @@ def gluon_dkdv_kernel(
     (atomic_dq) a float32 (B, Hq, Nq, D) the kernel adds scale * dS K into, [1, 1, BLOCK_M, D/2] boxes.
     SEM: None, or with dq_desc zeroed int32 (B * Hq, cdiv(Nq, BLOCK_M)): one semaphore per dQ tile,
     so its contributions are added in a fixed order (`dq_rank`; every program of a causal head
-    group, or of a full-attention head, must fit on the GPU at once: `ordered_dq_fits`).
+    group, or of a full-attention head, must fit on the GPU at once: `ordered_dq_fits`), the first
+    stored: dq_desc's tensor need not be zeroed (only rows no key block reaches).
 
     DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE; strides (batch,
     head, row, col). lse_desc, delta_desc (`stats_descriptor`): contiguous (B * Hq, len_q_pad) float32
@@ -662,9 +677,10 @@ def run_gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumul
 
 
 @triton.jit
-def row_stats_kernel(O, DO, LSE, LSE2, DELTA, o_strides, do_strides, lse_strides, heads_q, len_q, len_q_pad,
+def row_stats_kernel(O, DO, LSE, LSE2, DELTA, SEM, o_strides, do_strides, lse_strides, heads_q, len_q, len_q_pad,
                      num_row_tiles, D: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (num_row_tiles * B * Hq,): BLOCK rows of one (b, h) into LSE2, DELTA (B * Hq, len_q_pad)."""
+    """Grid (num_row_tiles * B * Hq,): BLOCK rows of one (b, h) into LSE2, DELTA (B * Hq, len_q_pad);
+    SEM (None or int32 (B * Hq, num_row_tiles)): the tile's semaphore set to 0."""
     bh = tl.program_id(0) // num_row_tiles
     b = (bh // heads_q).to(tl.int64)
     h = (bh % heads_q).to(tl.int64)
@@ -683,18 +699,23 @@ def row_stats_kernel(O, DO, LSE, LSE2, DELTA, o_strides, do_strides, lse_strides
     out = bh.to(tl.int64) * len_q_pad + rows
     tl.store(LSE2 + out, lse2, mask=rows < len_q_pad)
     tl.store(DELTA + out, delta, mask=rows < len_q_pad)
+    if SEM is not None:
+        tl.store(SEM + tl.program_id(0), 0)
 
 
-def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pad: int):
+def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pad: int,
+              semaphores: torch.Tensor | None = None):
     """(lse2, delta), each (B * Hq, len_q_pad) float32: lse * log2(e) with +inf where lse = -inf
-    (no key) and in the padding; delta = rowsum(out * dout) with 0 in the padding. One launch."""
+    (no key) and in the padding; delta = rowsum(out * dout) with 0 in the padding. One launch, which
+    also zeroes `semaphores` (int32 (B * Hq, len_q_pad / 64), contiguous) if given."""
     batch, heads_q, len_q = lse.shape
     lse2 = torch.empty(batch * heads_q, len_q_pad, dtype=torch.float32, device=lse.device)
     delta = torch.empty_like(lse2)
     block = 64
     row_tiles = triton.cdiv(len_q_pad, block)
+    assert semaphores is None or semaphores.shape == (batch * heads_q, row_tiles) and semaphores.is_contiguous()
     row_stats_kernel[grid_of(row_tiles, batch * heads_q)](
-        out, dout, lse, lse2, delta, out.stride(), dout.stride(), lse.stride(), heads_q, len_q, len_q_pad,
+        out, dout, lse, lse2, delta, semaphores, out.stride(), dout.stride(), lse.stride(), heads_q, len_q, len_q_pad,
         row_tiles, D=out.shape[-1], BLOCK=block, num_warps=4,
     )
     return lse2, delta
@@ -781,17 +802,22 @@ def kernel_options(cfg: GluonBackwardConfig, causal: bool, accumulate: bool) -> 
             "maxnreg": MAXNREG}
 
 
-def dq_accumulators(path: str, q: torch.Tensor, dq: torch.Tensor, accumulating: bool, row_tiles: int):
+def dq_accumulators(path: str, q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, causal: bool, accumulating: bool,
+                    row_tiles: int):
     """(dq_sum, semaphores) for `dq_path`'s path: the float32 dQ the dK/dV kernel adds into (the
     caller's float32 dq itself when accumulating into TMA-compatible strides, else zeros; None for a
-    dQ kernel), and for "ordered" zeroed int32 (B * Hq, row_tiles) semaphores (else None)."""
+    dQ kernel), and for "ordered" int32 (B * Hq, row_tiles) semaphores, for `row_stats` to zero
+    (else None). Ordered dQ stores each tile's first contribution, so only the rows that see no key
+    (causal, Nq > Nk) are zeroed."""
     if path == "kernel":
         return None, None
+    if path == "ordered":
+        dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        if causal:
+            dq_sum[:, :, : max(0, q.shape[2] - k.shape[2])].zero_()
+        return dq_sum, torch.empty(q.shape[0] * q.shape[1], row_tiles, dtype=torch.int32, device=q.device)
     in_place = accumulating and tma_compatible(dq)
-    dq_sum = dq if in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    if path != "ordered":
-        return dq_sum, None
-    return dq_sum, torch.zeros(q.shape[0] * q.shape[1], row_tiles, dtype=torch.int32, device=q.device)
+    return (dq if in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)), None
 
 
 def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, atomic_dq: bool):
@@ -810,10 +836,10 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     dq_in_dkdv = path != "kernel"
     cfg = (ATOMIC_CONFIGS if dq_in_dkdv else CONFIGS)[dim]
     len_q_pad = padded_rows(len_q, cfg)
-    lse2, delta = row_stats(lse, out, dout, len_q_pad)
+    dq_sum, semaphores = dq_accumulators(path, q, k, dq, causal, accumulate_into is not None, len_q_pad // cfg.dkdv_block_m)
+    lse2, delta = row_stats(lse, out, dout, len_q_pad, semaphores)
     scalars = (params.scale * LOG2E, params.scale)
     options = kernel_options(cfg, causal, accumulate_into is not None)
-    dq_sum, semaphores = dq_accumulators(path, q, dq, accumulate_into is not None, len_q_pad // cfg.dkdv_block_m)
     args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores)
     gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots, **options)
     if not dq_in_dkdv:
