@@ -23,7 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import LOG2E, dropout_keep, load_tile, masked_scores, row_pointers, store_tile, tile_segments
+from .tiles import (
+    LOG2E, dropout_keep, load_tile, masked_scores, query_row_tile, row_pointers, store_tile, tile_segments,
+)
 
 
 @triton.jit
@@ -266,15 +268,7 @@ def attention_dq_kernel(
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype (float32 with ACCUMULATE)."""
-    pid = tl.program_id(0)
-    bh = pid // num_row_tiles
-    tile_m = pid % num_row_tiles
-    if HEAVY_FIRST:
-        tile_m = num_row_tiles - 1 - tile_m
-    b = (bh // heads_q).to(tl.int64)
-    h = (bh % heads_q).to(tl.int64)
-    hk = h // group
-    m0 = tile_m * BLOCK_M
+    b, h, hk, m0 = query_row_tile(tl.program_id(0), num_row_tiles, heads_q, group, BLOCK_M, HEAVY_FIRST)
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -284,7 +278,7 @@ def attention_dq_kernel(
                   rows, len_q, offs_d, D, BLOCK_D, True)
     do = load_tile(DO + b * do_strides[0] + h * do_strides[1] + r64 * do_strides[2] + offs_dv[None, :] * do_strides[3],
                    rows, len_q, offs_dv, DV, BLOCK_DV, True)
-    row_base = bh.to(tl.int64) * len_q
+    row_base = (b * heads_q + h) * len_q
     lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, len_q, True)
     k_base = K + b * k_strides[0] + hk * k_strides[1]
     v_base = V + b * v_strides[0] + hk * v_strides[1]

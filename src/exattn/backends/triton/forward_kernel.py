@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import LN2, dropout_keep, load_tile, masked_scores, row_pointers, store_tile, tile_segments
+from .tiles import LN2, dropout_keep, load_tile, masked_scores, query_row_tile, row_pointers, store_tile, tile_segments
 
 
 @triton.jit
@@ -83,15 +83,7 @@ def attention_forward_kernel(
 
     O: (B, Hq, Nq, Dv) in q's dtype; LSE: contiguous (B, Hq, Nq) float32, natural log.
     """
-    pid = tl.program_id(0)
-    bh = pid // num_row_tiles
-    tile_m = pid % num_row_tiles
-    if HEAVY_FIRST:
-        tile_m = num_row_tiles - 1 - tile_m
-    b = (bh // heads_q).to(tl.int64)
-    h = (bh % heads_q).to(tl.int64)
-    hk = h // group
-    m0 = tile_m * BLOCK_M
+    b, h, hk, m0 = query_row_tile(tl.program_id(0), num_row_tiles, heads_q, group, BLOCK_M, HEAVY_FIRST)
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -158,4 +150,4 @@ def attention_forward_kernel(
     o_ptrs = (O + b * o_strides[0] + h * o_strides[1]
               + rows[:, None].to(tl.int64) * o_strides[2] + offs_dv[None, :] * o_strides[3])
     store_tile(o_ptrs, out, rows, len_q, offs_dv, DV)
-    tl.store(LSE + bh.to(tl.int64) * len_q + rows, lse, mask=rows < len_q)
+    tl.store(LSE + (b * heads_q + h) * len_q + rows, lse, mask=rows < len_q)

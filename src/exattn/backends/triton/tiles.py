@@ -25,6 +25,19 @@ def cdiv(a, b: tl.constexpr):
 
 
 @triton.jit
+def query_row_tile(pid, num_row_tiles, heads_q, group, BLOCK_M: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+    """(b, h, hk, m0) of program pid of a (num_row_tiles * B * Hq,) grid over query row tiles,
+    b and h as int64; HEAVY_FIRST: each head's tiles in reverse (causal: most keys first)."""
+    bh = pid // num_row_tiles
+    tile_m = pid % num_row_tiles
+    if HEAVY_FIRST:
+        tile_m = num_row_tiles - 1 - tile_m
+    b = (bh // heads_q).to(tl.int64)
+    h = (bh % heads_q).to(tl.int64)
+    return b, h, h // group, tile_m * BLOCK_M
+
+
+@triton.jit
 def tile_segments(
     start, stop, len_a, len_b, before, after,
     BLOCK: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr,
