@@ -24,16 +24,13 @@ from test_gluon_forward import (
     DTYPES,
     HOPPER_SHARED_BYTES,
     SHAPES,
-    TYPE_NAMES,
+    compile_gluon_for_sm90,
     cpu_inputs,
     forced_heads_per_group,
     gpu_inputs,
     needs_cuda,
     resource_usage,
 )
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
 
 import exattn
 from exattn.backends.triton import gluon_backward as gb
@@ -86,25 +83,7 @@ def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accu
     kernel = KERNELS[kind]
     dq_mode = config_id if config_id in ("atomic", "ordered") else "kernel"
     args, consts = launch_arguments(kind, dim, dtype, accumulate, config_for(dim, config_id), dq_mode)
-    consts["CAUSAL"] = causal
-    options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}
-    signature, constexprs = {}, dict(consts)
-    for i, (name, arg) in enumerate(zip(kernel.arg_names, [*args, *consts.values()], strict=True)):
-        if name in consts:
-            signature[name] = "constexpr"
-        elif isinstance(arg, torch.Tensor):
-            signature[name] = "*" + {torch.float32: "fp32", torch.int32: "i32"}.get(arg.dtype, TYPE_NAMES.get(arg.dtype))
-        elif isinstance(arg, tuple):
-            signature[name] = ("i64", "i64", "i64", "constexpr")
-            constexprs[(i, 3)] = 1
-        elif isinstance(arg, float):
-            signature[name] = "fp32"
-        elif isinstance(arg, int):
-            signature[name] = "i32"
-        else:
-            signature[name] = mangle_type(arg)
-    source = GluonASTSource(kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_gluon_for_sm90(kernel, args, {**consts, "CAUSAL": causal})
 
 
 @pytest.mark.parametrize("kind,dim,causal,dtype,accumulate,config_id", [

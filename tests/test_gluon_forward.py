@@ -31,27 +31,36 @@ HOPPER_SHARED_BYTES = 232448
 TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def compile_for_sm90(dim: int, causal: bool, dtype: torch.dtype):
-    """The kernel as `gluon_forward` launches it (arguments from `forward_arguments`, host TMA
-    descriptors over CPU tensors), compiled for sm_90a."""
-    q, k, v = (torch.empty(2, heads, 300, dim, dtype=dtype) for heads in (4, 2, 2))
-    args, _ = gf.forward_arguments(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), 0.5, causal, programs=4)
-    constants = gf.kernel_constants(dim, causal)
+def compile_gluon_for_sm90(kernel, args, constants: dict):
+    """`kernel` compiled for sm_90a from the arguments a launch passes: positional `args` (tensors,
+    stride tuples, scalars, host TMA descriptors) and `constants` (constexprs, num_warps, maxnreg)."""
+    constants = dict(constants)
     options = {name: constants.pop(name) for name in ("num_warps", "maxnreg")}
-    signature = {}
-    for name, arg in zip(gf.gluon_forward_kernel.arg_names, [*args, *constants.values()], strict=True):
+    signature, constexprs = {}, dict(constants)
+    for i, (name, arg) in enumerate(zip(kernel.arg_names, [*args, *constants.values()], strict=True)):
         if name in constants:
             signature[name] = "constexpr"
         elif isinstance(arg, torch.Tensor):
-            signature[name] = "*fp32"
+            signature[name] = "*" + {torch.float32: "fp32", torch.int32: "i32"}.get(arg.dtype, TYPE_NAMES.get(arg.dtype))
+        elif isinstance(arg, tuple):  # (batch, head, row, col) strides, the last one 1
+            signature[name] = ("i64", "i64", "i64", "constexpr")
+            constexprs[(i, 3)] = 1
         elif isinstance(arg, float):
             signature[name] = "fp32"
         elif isinstance(arg, int):
             signature[name] = "i32"
         else:
             signature[name] = mangle_type(arg)
-    source = GluonASTSource(gf.gluon_forward_kernel, signature=signature, constexprs=dict(constants))
+    source = GluonASTSource(kernel, signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_for_sm90(dim: int, causal: bool, dtype: torch.dtype):
+    """The kernel as `gluon_forward` launches it (arguments from `forward_arguments`, host TMA
+    descriptors over CPU tensors), compiled for sm_90a."""
+    q, k, v = (torch.empty(2, heads, 300, dim, dtype=dtype) for heads in (4, 2, 2))
+    args, _ = gf.forward_arguments(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), 0.5, causal, programs=4)
+    return compile_gluon_for_sm90(gf.gluon_forward_kernel, args, gf.kernel_constants(dim, causal))
 
 
 def resource_usage(kernel, tmp_path) -> dict[str, int]:
