@@ -311,6 +311,23 @@ def test_checked_entry_points_pass_everything_to_the_launch(monkeypatch):
         gb.run_gluon_backward(q, q, k, v, q, lse, params, tuple(x.clone() for x in (q, k, v)))
 
 
+class PoisonedTorch:
+    """torch for `gluon_backward`'s module, except that torch.empty returns NaN (floating) or -7
+    (integer) filled tensors: whatever a kernel is meant to write but does not shows up."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+    @classmethod
+    def empty_like(cls, x, **kwargs):
+        return cls.empty(x.shape, dtype=kwargs.get("dtype", x.dtype), device=kwargs.get("device", x.device))
+
+
 class FakeKernel:
     """Stands in for a Gluon kernel on the CPU: records each launch's arguments and lets `effect`
     write what the kernel would."""
@@ -327,6 +344,22 @@ class FakeKernel:
 
 
 DKDV_DQ_DESC, DKDV_SEM, DQ_OUT = 17, 18, 6  # argument positions (`dkdv_arguments`, `dq_arguments`)
+
+
+@pytest.mark.parametrize("path,causal,zero_rows", [("ordered", True, 70), ("ordered", False, 0), ("atomic", True, 300)])
+def test_dq_accumulators_zero_only_what_no_key_block_writes(path, causal, zero_rows, monkeypatch):
+    """Ordered dQ stores each tile's first contribution: of its float32 dQ only the rows that see
+    no key (causal, Nq > Nk) are zeroed, and its semaphores are left for `row_stats` to zero;
+    atomic dQ adds every contribution into zeros."""
+    monkeypatch.setattr(gb, "torch", PoisonedTorch())
+    q, k = torch.randn(2, 4, 300, 64), torch.randn(2, 2, 230, 64)
+    dq_sum, semaphores = gb.dq_accumulators(path, q, k, torch.empty_like(q), causal, False, 5)
+    assert dq_sum.shape == q.shape and dq_sum.dtype == torch.float32
+    assert (dq_sum[:, :, :zero_rows] == 0).all() and dq_sum[:, :, zero_rows:].isnan().all()
+    if path == "ordered":
+        assert semaphores.shape == (8, 5) and semaphores.dtype == torch.int32 and (semaphores == -7).all()
+    else:
+        assert semaphores is None
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -498,23 +531,6 @@ def test_candidate_configs_match_oracle(dtype, causal, config_id, shape, monkeyp
     monkeypatch.setattr(gb.settings, "ordered_dq", False)  # the dQ kernel, whose tiles these are
     torch.manual_seed(hash((causal,) + shape) % 2**31)
     check(*gpu_inputs(*shape, 64, dtype, layout="bnhd", with_dout=True), causal)
-
-
-class PoisonedTorch:
-    """torch for `gluon_backward`'s module, except that torch.empty returns NaN (floating) or -7
-    (integer) filled tensors: whatever a kernel is meant to write but does not shows up."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kwargs):
-        t = torch.empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -7)
-
-    @classmethod
-    def empty_like(cls, x, **kwargs):
-        return cls.empty(x.shape, dtype=kwargs.get("dtype", x.dtype), device=kwargs.get("device", x.device))
 
 
 @pytest.mark.gpu
