@@ -1,0 +1,110 @@
+"""The Triton kernels compiled for sm_90 on the CPU, from the arguments the host launches pass.
+
+The interpreter (tests/test_triton_backend.py) runs the kernels' Python semantics,
+not Triton's compiler; this module catches what only compilation rejects (types
+of helpers' results, constexpr use, TMA descriptors) without a GPU. Under the
+interpreter `triton.jit` gives functions the compiler does not take, so each case
+compiles in a fresh Python process without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+
+from exattn.backends.triton import passes
+from exattn.problem import AttentionParams
+
+KERNELS = {"forward": "attention_forward_kernel", "delta": "attention_delta_kernel",
+           "dkdv": "attention_dkdv_kernel", "dq": "attention_dq_kernel"}
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.bool: "*i1"}
+
+
+class RecordedLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **kwargs)` records the arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def recorded_launches(params: AttentionParams, mask, use_tma: bool) -> dict:
+    """{kind: (args, kwargs)} of one forward and one backward of the Triton passes on CPU tensors
+    (for a throwaway process: the kernels in `passes` stay replaced by recorders)."""
+    recorders = {kind: RecordedLaunch() for kind in KERNELS}
+    for kind, name in KERNELS.items():
+        setattr(passes, name, recorders[kind])
+    passes.can_use_tma = lambda *tensors: use_tma
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 300, 96, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 211, 96, dtype=torch.bfloat16) for _ in range(2))
+    out, lse = passes.launch_forward(q, k, v, mask, params)
+    passes.launch_backward(out, q, k, v, mask, out, lse, params)
+    return {kind: recorder.calls[0] for kind, recorder in recorders.items()}
+
+
+def compile_for_sm90(kernel, args, kwargs):
+    """`kernel` (a triton.jit function) compiled for sm_90a with the launch's arguments."""
+    kwargs = dict(kwargs)
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+    values = dict(zip(kernel.arg_names, args))
+    values.update(kwargs)
+    signature, constexprs = {}, {}
+    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
+        value = values[name]
+        if param.is_constexpr or value is None:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+        elif isinstance(value, tuple):
+            signature[name] = tuple("i64" for _ in value)
+        else:
+            signature[name] = mangle_type(value)
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+CASES = {
+    "causal-tma": (AttentionParams(scale=0.1, window=(-1, 0)), False, True),
+    "window-mask-dropout-pointers": (AttentionParams(scale=0.1, window=(40, 3), dropout_p=0.1, seed=5), True, False),
+}
+
+
+def compile_case(case: str) -> dict:
+    """{kernel kind: shared-memory bytes} of the four kernels compiled for one case."""
+    params, with_mask, use_tma = CASES[case]
+    mask = torch.randn(2, 1, 300, 211) if with_mask else None
+    real = {kind: getattr(passes, name) for kind, name in KERNELS.items()}
+    launches = recorded_launches(params, mask, use_tma)
+    shared = {}
+    for kind, (args, kwargs) in launches.items():
+        compiled = compile_for_sm90(real[kind], args, kwargs)
+        assert ".target sm_90a" in compiled.asm["ptx"], kind
+        shared[kind] = compiled.metadata.shared
+    return shared
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_kernel_compiles_for_sm90(case):
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__, case], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(shared) == sorted(KERNELS)
+    assert all(0 < size <= 232448 for size in shared.values()), shared
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_case(sys.argv[1])))
