@@ -1,4 +1,5 @@
-"""The Triton kernels compiled for sm_90 on the CPU, from the arguments the host launches pass.
+"""The Triton kernels (prefill and decode) compiled for sm_90 on the CPU, from the arguments the
+host launches pass.
 
 The interpreter (tests/test_triton_backend.py) runs the kernels' Python semantics,
 not Triton's compiler; this module catches what only compilation rejects (types
@@ -21,12 +22,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 
-from exattn.backends.triton import passes
+from exattn.backends.triton import decode_kernel, passes
 from exattn.problem import AttentionParams
 
 KERNELS = {"forward": "attention_forward_kernel", "delta": "attention_delta_kernel",
            "dkdv": "attention_dkdv_kernel", "dq": "attention_dq_kernel"}
-POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.bool: "*i1"}
+DECODE_KERNELS = {"decode-split": "decode_split_kernel", "decode-combine": "decode_combine_kernel"}
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.bool: "*i1",
+                 torch.int32: "*i32"}
 
 
 class RecordedLaunch:
@@ -51,6 +54,23 @@ def recorded_launches(params: AttentionParams, mask, use_tma: bool) -> dict:
     k, v = (torch.randn(2, 2, 211, 96, dtype=torch.bfloat16) for _ in range(2))
     out, lse = passes.launch_forward(q, k, v, mask, params)
     passes.launch_backward(out, q, k, v, mask, out, lse, params)
+    return {kind: recorder.calls[0] for kind, recorder in recorders.items()}
+
+
+def recorded_decode_launches(paged: bool) -> dict:
+    """{kind: (args, kwargs)} of one 3-split decode step (2 new tokens, GQA 4:1, d = 96) on CPU
+    tensors, contiguous or with 16-key pages (throwaway process, as `recorded_launches`)."""
+    recorders = {kind: RecordedLaunch() for kind in DECODE_KERNELS}
+    for kind, name in DECODE_KERNELS.items():
+        setattr(decode_kernel, name, recorders[kind])
+    q = torch.randn(2, 8, 2, 96, dtype=torch.bfloat16)
+    seqlens = torch.tensor([300, 77], dtype=torch.int32)
+    if paged:
+        k, v = (torch.randn(40, 2, 16, 96, dtype=torch.bfloat16) for _ in range(2))
+        table = torch.randperm(40, dtype=torch.int32)[:38].reshape(2, 19)
+    else:
+        (k, v), table = (torch.randn(2, 2, 304, 96, dtype=torch.bfloat16) for _ in range(2)), None
+    decode_kernel.decode_forward(q, k, v, seqlens, table, 0.1, num_splits=3)
     return {kind: recorder.calls[0] for kind, recorder in recorders.items()}
 
 
@@ -80,14 +100,19 @@ CASES = {
     "causal-tma": (AttentionParams(scale=0.1, window=(-1, 0)), False, True),
     "window-mask-dropout-pointers": (AttentionParams(scale=0.1, window=(40, 3), dropout_p=0.1, seed=5), True, False),
 }
+DECODE_CASES = {"decode-contiguous": False, "decode-paged": True}
 
 
 def compile_case(case: str) -> dict:
     """{kernel kind: shared-memory bytes} of the four kernels compiled for one case."""
-    params, with_mask, use_tma = CASES[case]
-    mask = torch.randn(2, 1, 300, 211) if with_mask else None
-    real = {kind: getattr(passes, name) for kind, name in KERNELS.items()}
-    launches = recorded_launches(params, mask, use_tma)
+    if case in DECODE_CASES:
+        real = {kind: getattr(decode_kernel, name) for kind, name in DECODE_KERNELS.items()}
+        launches = recorded_decode_launches(DECODE_CASES[case])
+    else:
+        params, with_mask, use_tma = CASES[case]
+        mask = torch.randn(2, 1, 300, 211) if with_mask else None
+        real = {kind: getattr(passes, name) for kind, name in KERNELS.items()}
+        launches = recorded_launches(params, mask, use_tma)
     shared = {}
     for kind, (args, kwargs) in launches.items():
         compiled = compile_for_sm90(real[kind], args, kwargs)
@@ -96,14 +121,14 @@ def compile_case(case: str) -> dict:
     return shared
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *DECODE_CASES])
 def test_every_kernel_compiles_for_sm90(case):
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, __file__, case], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])
-    assert sorted(shared) == sorted(KERNELS)
-    assert all(0 < size <= 232448 for size in shared.values()), shared
+    assert sorted(shared) == sorted(DECODE_KERNELS if case in DECODE_CASES else KERNELS)
+    assert all(size <= 232448 for size in shared.values()), shared
 
 
 if __name__ == "__main__":
