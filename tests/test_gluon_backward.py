@@ -49,8 +49,13 @@ CANDIDATES = {
 CONFIG_IDS = ["shipped", *CANDIDATES]
 
 
+# How the dK/dV kernel forms dQ under each config id (else a dQ kernel); "ordered-unrotated":
+# ordered dQ with `settings.rotated_dq_order` off.
+DQ_MODES = {"atomic": "atomic", "ordered": "ordered", "ordered-unrotated": "ordered"}
+
+
 def config_for(dim: int, config_id: str) -> gb.GluonBackwardConfig:
-    if config_id in ("atomic", "ordered"):
+    if config_id in DQ_MODES:
         return gb.ATOMIC_CONFIGS[dim]
     return gb.CONFIGS[dim] if config_id == "shipped" else CANDIDATES[config_id]
 
@@ -81,8 +86,10 @@ def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accu
                      config_id: str = "shipped"):
     """One kernel as `gluon_backward` launches it, compiled for sm_90a."""
     kernel = KERNELS[kind]
-    dq_mode = config_id if config_id in ("atomic", "ordered") else "kernel"
+    dq_mode = DQ_MODES.get(config_id, "kernel")
     args, consts = launch_arguments(kind, dim, dtype, accumulate, config_for(dim, config_id), dq_mode)
+    if kind == "dkdv":
+        consts["ROTATE"] = config_id == "ordered" and not causal
     return compile_gluon_for_sm90(kernel, args, {**consts, "CAUSAL": causal})
 
 
@@ -97,17 +104,19 @@ def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accu
       for kind in KERNELS for accumulate in (False, True)],
     *[("dkdv", dim, causal, torch.bfloat16, False, mode) for dim in gb.ATOMIC_CONFIGS for causal in (False, True)
       for mode in ("atomic", "ordered")],
+    *[("dkdv", dim, False, torch.bfloat16, False, "ordered-unrotated") for dim in gb.ATOMIC_CONFIGS],
     ("dkdv", 128, True, torch.float16, True, "atomic"),
 ])
 def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, config_id, tmp_path):
     kernel = compile_for_sm90(kind, dim, causal, dtype, accumulate, config_id)
+    dq_mode = DQ_MODES.get(config_id, "kernel")
     usage = resource_usage(kernel, tmp_path)
     # dK/dV, d = 128: ptxas parks scalars in bytes of stack. Causal: those of the diagonal mask, reloaded
     # on diagonal tiles only (8 bytes; 32 with the dQ staging of atomic and ordered dQ); with their 3
     # Q/dO ring slots also one loop scalar (8 bytes non-causal)
     stack = 0
     if (kind, dim) == ("dkdv", 128):
-        stack = 32 if config_id in ("atomic", "ordered") and causal else 8 if causal or config_id in ("atomic", "ordered") else 0
+        stack = 32 if dq_mode != "kernel" and causal else 8 if causal or dq_mode != "kernel" else 0
     assert usage["LOCAL"] == 0 and usage["STACK"] <= stack, f"register spills: {usage}"
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
@@ -118,12 +127,12 @@ def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, 
     atomics = [a.split()[-1] for a in
                re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red|cp\.reduce)\.\S*", ptx, re.MULTILINE)]
     reduction = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"
-    if config_id in ("atomic", "ordered"):  # the writer warp's TMA reductions (two halves, 128-byte boxes)
+    if dq_mode != "kernel":  # the writer warp's TMA reductions (two halves, 128-byte boxes)
         reductions = [a for a in atomics if a == reduction]
         assert len(reductions) == max(2, dim // 32), atomics
-        turns = ["atom.global.gpu.relaxed.add.u32"] if config_id == "ordered" else []
+        turns = ["atom.global.gpu.relaxed.add.u32"] if dq_mode == "ordered" else []
         assert [a for a in atomics if a != reduction] == turns, atomics
-        expected = 1 if config_id == "ordered" else 0
+        expected = 1 if dq_mode == "ordered" else 0
         assert ptx.count("ld.relaxed.gpu.global.b32") == expected, "the writer reads its turn early"
         assert ptx.count("ld.global.acquire.gpu.b32") == expected, "and waits for it if it has not come"
         assert ptx.count("cp.async.bulk.wait_group 0;") == expected, "a turn passes once the reduction is written"
@@ -339,11 +348,20 @@ class FakeKernel:
     def __getitem__(self, grid):
         def run(*args, **options):
             self.launches.append(args)
+            self.options = options
             self.effect(args)
         return run
 
 
 DKDV_DQ_DESC, DKDV_SEM, DQ_OUT = 17, 18, 6  # argument positions (`dkdv_arguments`, `dq_arguments`)
+
+
+@pytest.mark.parametrize("rotated", [True, False])
+def test_rotated_sweeps_only_for_ordered_full_attention(rotated, monkeypatch):
+    monkeypatch.setattr(gb.settings, "rotated_dq_order", rotated)
+    assert gb.rotated_sweeps("ordered", causal=False) == rotated
+    assert not gb.rotated_sweeps("ordered", causal=True)
+    assert not gb.rotated_sweeps("atomic", causal=False) and not gb.rotated_sweeps("kernel", causal=False)
 
 
 @pytest.mark.parametrize("path,causal,zero_rows", [("ordered", True, 70), ("ordered", False, 0), ("atomic", True, 300)])
@@ -397,6 +415,7 @@ def test_launch_forms_dq_the_way_dq_path_says(causal, atomic_dq, ordered_dq, acc
         assert semaphores.dtype == torch.int32 and semaphores.shape == (4, 1) and not semaphores.any()
     else:
         assert semaphores is None
+    assert dkdv.options["ROTATE"] == (path == "ordered" and not causal)
     assert len(dq_kernel.launches) == (path == "kernel")
     assert (args[DKDV_DQ_DESC] is None) == (path == "kernel")
     expected = 3.0 if path == "kernel" else added + (0.25 if accumulate else 0.0)
@@ -474,6 +493,21 @@ def test_ordered_dq_matches_oracle(dtype, d, causal, shape, monkeypatch):
     ordered_everywhere(monkeypatch)
     torch.manual_seed(hash((d, causal, 9) + shape) % 2**31)
     check(*gpu_inputs(*shape, d, dtype, layout="bnhd", with_dout=True), causal, path="ordered")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", [*ORDERED_SHAPES, (2, 8, 2, 4096, 4096), (4, 8, 8, 600, 600)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_unrotated_ordered_dq_matches_oracle_and_reruns_bitwise(d, shape, monkeypatch):
+    """`settings.rotated_dq_order` off (full attention): every key block sweeps from tile 0 and
+    the blocks add in key-block order, heads spanning two waves of programs included."""
+    ordered_everywhere(monkeypatch)
+    monkeypatch.setattr(gb.settings, "rotated_dq_order", False)
+    torch.manual_seed(hash((d, 13) + shape) % 2**31)
+    assert_reruns_bitwise_equal(*gpu_inputs(*shape, d, torch.bfloat16, with_dout=True), False, reruns=2,
+                                path="ordered")
 
 
 @pytest.mark.gpu

@@ -17,7 +17,8 @@ slots allow. The order follows the sweeps, so a block waits only on blocks
 that reach the tile before it: causal (Nk <= Nq), from the last key block
 that sees a tile down to block 0 (a block starts its sweep two 64-row tiles
 after its predecessor); full attention, rotated sweeps (`sweep_start`) and a
-cyclic order. Either way every block a block may wait on must be resident at
+cyclic order, or (`settings.rotated_dq_order` off) unrotated sweeps in key-block
+order. Either way every block a block may wait on must be resident at
 once (`gluon_backward.ordered_dq_fits`).
 
 The increment is relaxed: a release puts a GPU-wide memory barrier into every
@@ -55,17 +56,21 @@ def sweep_tile(j, lo, tiles, start, ROTATE: gl.constexpr):
 
 
 @gluon.jit
-def dq_rank(col_tile, t, num_col_tiles, num_row_tiles, offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+def dq_rank(col_tile, t, num_col_tiles, num_row_tiles, offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+            ROTATE: gl.constexpr):
     """How many key blocks add into query tile t before key block col_tile: the order in which
     their sweeps reach t. Causal (no rotation, Nk <= Nq): later blocks start nearer t, so from the
-    last block that sees t down to block 0. Full (rotated, at least one tile per block): cyclically
-    down from the block whose sweep starts at t or last before it."""
+    last block that sees t down to block 0. Full, ROTATE (at least one tile per block): cyclically
+    down from the block whose sweep starts at t or last before it. Full, not rotated: every sweep
+    starts at tile 0, and the blocks take turns in launch order (block 0 first)."""
     if CAUSAL:
         first = gl.minimum(num_col_tiles, gl.cdiv((t + 1) * BLOCK_M + offset, 2 * ROWS)) - 1
         return first - col_tile
-    else:
+    elif ROTATE:
         first = gl.minimum(num_col_tiles, gl.cdiv((t + 1) * num_col_tiles, num_row_tiles)) - 1
         return (first - col_tile + num_col_tiles) % num_col_tiles
+    else:
+        return col_tile + t * 0
 
 
 @gluon.jit

@@ -313,7 +313,8 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
             mbarrier.wait(staged.index(slot), (j // SLOTS) & 1)
             first_write = False
             if ORDERED:
-                rank = dq_rank(n0 // (2 * ROWS), t, num_col_tiles, row_tiles, len_k - len_q, BLOCK_M, CAUSAL)
+                rank = dq_rank(n0 // (2 * ROWS), t, num_col_tiles, row_tiles, len_k - len_q, BLOCK_M, CAUSAL,
+                               ROTATE)
                 wait_turn(semaphore, rank, seen)
                 first_write = rank == 0
             for half in gl.static_range(2):
@@ -436,7 +437,7 @@ def gluon_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides,
     heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM, scale_log2, scale,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
-    DQ_SLOTS: gl.constexpr,
+    DQ_SLOTS: gl.constexpr, ROTATE: gl.constexpr,
 ):
     """Grid: (num_col_tiles * B * Hk,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
     [1, 1, BLOCK_M, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, 64, D] boxes; dq_desc: None, or
@@ -474,7 +475,6 @@ def gluon_dkdv_kernel(
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     bars = (kv_bar, q_ready, do_ready, empty)
     ATOMIC_DQ: gl.constexpr = dq_desc is not None
-    ROTATE: gl.constexpr = SEM is not None and not CAUSAL
     dq_parts = 0
     if ATOMIC_DQ:  # dS^T halves (2 steps x 2 warpgroups); DQ_SLOTS slots of float32 dQ tiles (two halves)
         ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, BLOCK_M],
@@ -766,6 +766,12 @@ def dq_path(q: torch.Tensor, k: torch.Tensor, causal: bool, atomic_dq: bool, acc
     return "kernel"
 
 
+def rotated_sweeps(path: str, causal: bool) -> bool:
+    """Whether the dK/dV programs start their sweeps at spread query tiles: ordered dQ under full
+    attention with `settings.rotated_dq_order` (`dq_order.dq_rank`)."""
+    return path == "ordered" and not causal and settings.rotated_dq_order
+
+
 def ordered_dq_fits(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     """Whether the dK/dV kernel can add dQ in a fixed order (`dq_rank`) without deadlock or
     serialized steps: one head's key blocks all resident at once (a causal head group is then
@@ -841,7 +847,8 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     scalars = (params.scale * LOG2E, params.scale)
     options = kernel_options(cfg, causal, accumulate_into is not None)
     args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores)
-    gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots, **options)
+    gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots,
+                            ROTATE=rotated_sweeps(path, causal), **options)
     if not dq_in_dkdv:
         args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg, options["CAUSAL"])
         gluon_dq_kernel[grid](*args, *scalars, STAGES=cfg.dq_stages, **options)
