@@ -51,6 +51,17 @@ TOKENS = 16384
 HIDDEN = 2048
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
@@ -61,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--flex-dtypes", default="bf16,fp16")
     p.add_argument("--warmup-ms", type=float, default=25)
     p.add_argument("--rep-ms", type=float, default=100)
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="measurements of each implementation per cell, interleaved; rows keep the median")
     p.add_argument("--workers", type=int, default=12, help="processes that pre-compile in parallel (0: none)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/prefill-h200.json"))

@@ -539,7 +539,8 @@ def test_ordered_dq_caps_causal_head_groups_to_resident_programs(d, monkeypatch)
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("resident,shape", [(7, (2, 4, 2, 333, 515)), (7, (3, 2, 2, 640, 600)), (None, (4, 8, 8, 600, 600))],
+@pytest.mark.parametrize("resident,shape",
+                         [(7, (2, 4, 2, 333, 515)), (7, (3, 2, 2, 640, 600)), (None, (4, 8, 8, 600, 600))],
                          ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_ordered_dq_where_heads_span_two_waves(d, resident, shape, monkeypatch):
     """Full attention, a head's key blocks launched in different waves of resident programs (5 per

@@ -35,7 +35,7 @@ halves those wgmmas' shared-memory reads. One Triton kernel (`row_stats_kernel`)
 forms delta and the base-2 lse, padded, before the two passes (and zeroes the
 ordered dQ's semaphores).
 
-Atomic and ordered dQ (`dq_path`; ordered: Nq >= 4096, where `ordered_dq_fits`):
+Atomic and ordered dQ (`dq_path`; ordered: from ORDERED_DQ_MIN_LEN, where `ordered_dq_fits`):
 no dQ kernel; the dK/dV kernel's consumers stage their dQ tiles in shared
 memory and its writer warp adds them by TMA reductions, for ordered dQ in a
 fixed order per tile (`dq_order.py`), whose first contribution is stored
@@ -445,7 +445,8 @@ def gluon_dkdv_kernel(
     SEM: None, or with dq_desc zeroed int32 (B * Hq, cdiv(Nq, BLOCK_M)): one semaphore per dQ tile,
     so its contributions are added in a fixed order (`dq_rank`; every program of a causal head
     group, or of a full-attention head, must fit on the GPU at once: `ordered_dq_fits`), the first
-    stored: dq_desc's tensor need not be zeroed (only rows no key block reaches).
+    stored: dq_desc's tensor need not be zeroed (only rows no key block reaches). ROTATE (ordered,
+    full attention, `rotated_sweeps`): the key blocks start their sweeps at spread query tiles.
 
     DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE; strides (batch,
     head, row, col). lse_desc, delta_desc (`stats_descriptor`): contiguous (B * Hq, len_q_pad) float32
@@ -810,11 +811,11 @@ def kernel_options(cfg: GluonBackwardConfig, causal: bool, accumulate: bool) -> 
 
 def dq_accumulators(path: str, q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, causal: bool, accumulating: bool,
                     row_tiles: int):
-    """(dq_sum, semaphores) for `dq_path`'s path: the float32 dQ the dK/dV kernel adds into (the
-    caller's float32 dq itself when accumulating into TMA-compatible strides, else zeros; None for a
-    dQ kernel), and for "ordered" int32 (B * Hq, row_tiles) semaphores, for `row_stats` to zero
-    (else None). Ordered dQ stores each tile's first contribution, so only the rows that see no key
-    (causal, Nq > Nk) are zeroed."""
+    """(dq_sum, semaphores) for `dq_path`'s path: the float32 dQ the dK/dV kernel writes (None for a
+    dQ kernel) and, for "ordered", int32 (B * Hq, row_tiles) semaphores for `row_stats` to zero (else
+    None). Atomic: the caller's float32 dq itself when accumulating into TMA-compatible strides, else
+    zeros. Ordered stores each tile's first contribution, so only the rows that see no key (causal,
+    Nq > Nk) are zeroed."""
     if path == "kernel":
         return None, None
     if path == "ordered":
@@ -842,7 +843,8 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     dq_in_dkdv = path != "kernel"
     cfg = (ATOMIC_CONFIGS if dq_in_dkdv else CONFIGS)[dim]
     len_q_pad = padded_rows(len_q, cfg)
-    dq_sum, semaphores = dq_accumulators(path, q, k, dq, causal, accumulate_into is not None, len_q_pad // cfg.dkdv_block_m)
+    dq_sum, semaphores = dq_accumulators(path, q, k, dq, causal, accumulate_into is not None,
+                                         len_q_pad // cfg.dkdv_block_m)
     lse2, delta = row_stats(lse, out, dout, len_q_pad, semaphores)
     scalars = (params.scale * LOG2E, params.scale)
     options = kernel_options(cfg, causal, accumulate_into is not None)
