@@ -14,8 +14,8 @@ exattn-triton-atomic-head-major) runs causal work tiles in plain head-major
 order instead of `schedule.heads_per_group`'s, exattn-triton-two-kernel the
 deterministic backward with its dQ kernel everywhere (`settings.ordered_dq`
 off), exattn-triton-ordered the ordered dQ wherever it fits (any length
-of the Gluon backward) and exattn-triton-unrotated the ordered dQ with
-`settings.rotated_dq_order` off, for A/B runs. A failing implementation gives a row of
+of the Gluon backward), and exattn-triton-rotated / exattn-triton-unrotated the
+ordered dQ with `settings.rotated_dq_order` True / False, for A/B runs. A failing implementation gives a row of
 nulls with the error. Compilation (exattn kernels, FlexAttention graphs) is
 first warmed in parallel worker processes sharing the on-disk caches.
 
@@ -123,7 +123,7 @@ def attention_function(impl, cell):
         atomic, head_major, two_kernel = "-atomic" in impl, impl.endswith("-head-major"), "-two-kernel" in impl
         return (lambda q, k, v: exattn.attention(q, k, v, causal=causal, backend="triton")), (
             lambda: exattn_setting(atomic, head_major, two_kernel, ordered_everywhere=impl.endswith("-ordered"),
-                                   unrotated=impl.endswith("-unrotated")))
+                                   rotated={"-rotated": True, "-unrotated": False}.get(impl[impl.rfind("-"):])))
     if impl == "flex":
         return flex_function(cell), contextlib.nullcontext
     backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -134,18 +134,18 @@ def attention_function(impl, cell):
 
 @contextlib.contextmanager
 def exattn_setting(atomic_dq: bool, head_major: bool, two_kernel: bool = False, ordered_everywhere: bool = False,
-                   unrotated: bool = False):
+                   rotated: bool | None = None):
     """settings.atomic_dq; head_major: causal work tiles in head-major order (the order before
     `schedule.heads_per_group`, for A/B runs); two_kernel: settings.ordered_dq off;
     ordered_everywhere: the ordered dQ for every length of the Gluon backward where it fits;
-    unrotated: settings.rotated_dq_order off."""
+    rotated: settings.rotated_dq_order."""
     from exattn.backends.triton import gluon_backward, schedule, settings
 
     saved = (settings.atomic_dq, settings.ordered_dq, settings.rotated_dq_order, schedule.heads_per_group,
              gluon_backward.ORDERED_DQ_MIN_LEN)
     settings.atomic_dq = atomic_dq
     settings.ordered_dq = not two_kernel
-    settings.rotated_dq_order = not unrotated
+    settings.rotated_dq_order = rotated
     if head_major:
         schedule.heads_per_group = lambda *args: 1
     if ordered_everywhere:

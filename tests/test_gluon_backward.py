@@ -164,8 +164,8 @@ def written_registers(line: str) -> set[int]:
     return set(range(first, first + width))
 
 
-def wgmma_loops(lines: list[str]) -> list[list[str]]:
-    """Bodies of the consumers' sweeps: a backward branch over wgmmas, within one partition's code."""
+def wgmma_loops(lines: list[str]) -> list[tuple[int, int]]:
+    """(first, last) line of each consumer sweep: a backward branch over wgmmas, within one partition's code."""
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\.L_x_\d+):$", line))}
     loops = []
     for end, line in enumerate(lines):
@@ -173,7 +173,7 @@ def wgmma_loops(lines: list[str]) -> list[list[str]]:
         if target and labels.get(target.group(1), end) < end:
             body = lines[labels[target.group(1)]:end + 1]
             if any("HGMMA" in b for b in body) and not any(re.match(r"LDSM|EXIT|BRX|USETMAXREG", b) for b in body):
-                loops.append(body)
+                loops.append((labels[target.group(1)], end))
     return loops
 
 
@@ -181,14 +181,21 @@ def wgmma_loops(lines: list[str]) -> list[list[str]]:
 @pytest.mark.parametrize("kind,config_id", [(kind, c) for c in CONFIG_IDS if config_for(64, c).in_registers
                                             for kind in KERNELS] + [("dkdv", "atomic"), ("dkdv", "ordered")])
 def test_resident_register_operands_survive_the_sweep(kind, config_id, causal, tmp_path):
-    """With in_registers, the K, V (dK/dV) or Q, dO (dQ) tiles loaded once into registers (LDSM) must keep
-    those registers through every step: ptxas once gave K's to dS^T, so the second S^T read dS^T."""
+    """With in_registers, the K, V (dK/dV) or Q, dO (dQ) tiles a consumer loads once into registers (LDSM,
+    after the previous partition's sweeps) must keep those registers through every step of its sweeps:
+    ptxas once gave K's to dS^T, so the second S^T read dS^T."""
     lines = sass_lines(compile_for_sm90(kind, 64, causal, torch.bfloat16, False, config_id), tmp_path)
-    resident = set().union(*(written_registers(line) for line in lines if line.startswith("LDSM")))
     loops = wgmma_loops(lines)
-    assert len(resident) >= 2 * 16 and len(loops) >= 2, (sorted(resident), len(loops))  # 2 tiles, 2 warpgroups
-    clobbers = [line for body in loops for line in body if written_registers(line) & resident]
-    assert not clobbers, f"resident operand registers overwritten inside the sweep: {clobbers[:4]}"
+    assert len(loops) >= 2, len(loops)  # 2 warpgroups
+    previous_end, resident = 0, set()
+    for first, last in loops:
+        loads = [line for line in lines[previous_end:first] if line.startswith("LDSM")]
+        if loads:  # a partition's loads, else a further sweep of the same partition
+            resident = set().union(*(written_registers(line) for line in loads))
+        assert len(resident) >= 2 * 16, sorted(resident)  # 2 tiles of 16 registers a thread
+        clobbers = [line for line in lines[first:last + 1] if written_registers(line) & resident]
+        assert not clobbers, f"resident operand registers overwritten inside the sweep: {clobbers[:4]}"
+        previous_end = last + 1
 
 
 def test_supports_names_every_reason(monkeypatch):
@@ -359,9 +366,18 @@ DKDV_DQ_DESC, DKDV_SEM, DQ_OUT = 17, 18, 6  # argument positions (`dkdv_argument
 @pytest.mark.parametrize("rotated", [True, False])
 def test_rotated_sweeps_only_for_ordered_full_attention(rotated, monkeypatch):
     monkeypatch.setattr(gb.settings, "rotated_dq_order", rotated)
-    assert gb.rotated_sweeps("ordered", causal=False) == rotated
-    assert not gb.rotated_sweeps("ordered", causal=True)
-    assert not gb.rotated_sweeps("atomic", causal=False) and not gb.rotated_sweeps("kernel", causal=False)
+    assert gb.rotated_sweeps("ordered", False, 16384, 128) == rotated
+    assert gb.rotated_sweeps("ordered", False, 4096, 64) == rotated
+    assert not gb.rotated_sweeps("ordered", True, 4096, 128)
+    assert not gb.rotated_sweeps("atomic", False, 4096, 128) and not gb.rotated_sweeps("kernel", False, 4096, 128)
+
+
+def test_rotated_sweeps_by_default_below_the_measured_lengths(monkeypatch):
+    monkeypatch.setattr(gb, "UNROTATED_MIN_LEN", {128: 8192})
+    assert gb.settings.rotated_dq_order is None
+    assert gb.rotated_sweeps("ordered", False, 8191, 128) and not gb.rotated_sweeps("ordered", False, 8192, 128)
+    assert gb.rotated_sweeps("ordered", False, 65536, 64)
+    assert not gb.rotated_sweeps("ordered", True, 2048, 128)
 
 
 @pytest.mark.parametrize("path,causal,zero_rows", [("ordered", True, 70), ("ordered", False, 0), ("atomic", True, 300)])

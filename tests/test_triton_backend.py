@@ -277,3 +277,21 @@ def test_hopper_reads_the_cached_capability(monkeypatch):
     assert passes.hopper(on_gpu)
     monkeypatch.setattr(configs, "device_capability", lambda index: (8, 0))
     assert not passes.hopper(on_gpu)
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), ("1", True), ("0", False)])
+def test_env_flags_read_one_zero_or_unset(value, expected, monkeypatch):
+    from exattn.backends.triton.passes import env_flag
+
+    monkeypatch.delenv("EXATTN_TEST_FLAG", raising=False)
+    if value is not None:
+        monkeypatch.setenv("EXATTN_TEST_FLAG", value)
+    assert env_flag("EXATTN_TEST_FLAG") is expected
+
+
+def test_env_flags_refuse_other_values_naming_the_variable(monkeypatch):
+    from exattn.backends.triton.passes import env_flag
+
+    monkeypatch.setenv("EXATTN_TEST_FLAG", "yes")
+    with pytest.raises(ValueError, match=r"EXATTN_TEST_FLAG: got 'yes', expected '0' or '1' \(or unset\)"):
+        env_flag("EXATTN_TEST_FLAG")

@@ -17,7 +17,7 @@ slots allow. The order follows the sweeps, so a block waits only on blocks
 that reach the tile before it: causal (Nk <= Nq), from the last key block
 that sees a tile down to block 0 (a block starts its sweep two 64-row tiles
 after its predecessor); full attention, rotated sweeps (`sweep_start`) and a
-cyclic order, or (`settings.rotated_dq_order` off) unrotated sweeps in key-block
+cyclic order, or (`gluon_backward.rotated_sweeps` false) unrotated sweeps in key-block
 order. Either way every block a block may wait on must be resident at
 once (`gluon_backward.ordered_dq_fits`).
 

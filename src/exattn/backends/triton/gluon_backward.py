@@ -122,6 +122,11 @@ ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True),
 # fits): with the writer warp 1.02-1.09x the dK/dV + dQ kernel pair at d = 64 and 128, N = 4k and 16k,
 # and within 3% of atomic dQ (benchmarks/results/ordered-dq-h200.json). Shorter lengths: not compared.
 ORDERED_DQ_MIN_LEN = 2048
+# Ordered dQ under full attention without the rotation (`rotated_sweeps`) from these query lengths, per
+# head dim. d = 128, against the rotated order (same process, bf16 / fp16): 2k 0.96x, 4k 0.99x / level,
+# 8k 1.02x / 1.03x, 16k 1.03-1.04x / 1.03x; d = 64: 4k 0.94x, 16k level
+# (benchmarks/results/dq-unrotated-order-h200.json, dq-sweeps-h200.json).
+UNROTATED_MIN_LEN = {128: 8192}
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -442,7 +447,7 @@ def gluon_dkdv_kernel(
     """Grid: (num_col_tiles * B * Hk,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
     [1, 1, BLOCK_M, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, 64, D] boxes; dq_desc: None, or
     (atomic_dq) a float32 (B, Hq, Nq, D) the kernel adds scale * dS K into, [1, 1, BLOCK_M, D/2] boxes.
-    SEM: None, or with dq_desc zeroed int32 (B * Hq, cdiv(Nq, BLOCK_M)): one semaphore per dQ tile,
+    SEM: None, or with dq_desc zeroed int32, at least B * Hq * cdiv(Nq, BLOCK_M): one per dQ tile,
     so its contributions are added in a fixed order (`dq_rank`; every program of a causal head
     group, or of a full-attention head, must fit on the GPU at once: `ordered_dq_fits`), the first
     stored: dq_desc's tensor need not be zeroed (only rows no key block reaches). ROTATE (ordered,
@@ -704,15 +709,18 @@ def row_stats_kernel(O, DO, LSE, LSE2, DELTA, SEM, o_strides, do_strides, lse_st
         tl.store(SEM + tl.program_id(0), 0)
 
 
+STATS_ROWS = 64  # rows per program of `row_stats_kernel`
+
+
 def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pad: int,
               semaphores: torch.Tensor | None = None):
     """(lse2, delta), each (B * Hq, len_q_pad) float32: lse * log2(e) with +inf where lse = -inf
     (no key) and in the padding; delta = rowsum(out * dout) with 0 in the padding. One launch, which
-    also zeroes `semaphores` (int32 (B * Hq, len_q_pad / 64), contiguous) if given."""
+    also zeroes `semaphores` (int32 (B * Hq, len_q_pad / STATS_ROWS), contiguous) if given."""
     batch, heads_q, len_q = lse.shape
     lse2 = torch.empty(batch * heads_q, len_q_pad, dtype=torch.float32, device=lse.device)
     delta = torch.empty_like(lse2)
-    block = 64
+    block = STATS_ROWS
     row_tiles = triton.cdiv(len_q_pad, block)
     assert semaphores is None or semaphores.shape == (batch * heads_q, row_tiles) and semaphores.is_contiguous()
     row_stats_kernel[grid_of(row_tiles, batch * heads_q)](
@@ -767,10 +775,15 @@ def dq_path(q: torch.Tensor, k: torch.Tensor, causal: bool, atomic_dq: bool, acc
     return "kernel"
 
 
-def rotated_sweeps(path: str, causal: bool) -> bool:
-    """Whether the dK/dV programs start their sweeps at spread query tiles: ordered dQ under full
-    attention with `settings.rotated_dq_order` (`dq_order.dq_rank`)."""
-    return path == "ordered" and not causal and settings.rotated_dq_order
+def rotated_sweeps(path: str, causal: bool, len_q: int, dim: int) -> bool:
+    """Whether the dK/dV programs start their sweeps at spread query tiles (`dq_order.dq_rank`):
+    ordered dQ under full attention, by `settings.rotated_dq_order`; None (auto): below
+    UNROTATED_MIN_LEN."""
+    if path != "ordered" or causal:
+        return False
+    if settings.rotated_dq_order is None:
+        return len_q < UNROTATED_MIN_LEN.get(dim, float("inf"))
+    return settings.rotated_dq_order
 
 
 def ordered_dq_fits(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
@@ -843,14 +856,16 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     dq_in_dkdv = path != "kernel"
     cfg = (ATOMIC_CONFIGS if dq_in_dkdv else CONFIGS)[dim]
     len_q_pad = padded_rows(len_q, cfg)
+    # semaphores: one per program of row_stats, which zeroes them; the dK/dV kernel uses the first
+    # B * Hq * cdiv(Nq, BLOCK_M), one per dQ tile
     dq_sum, semaphores = dq_accumulators(path, q, k, dq, causal, accumulate_into is not None,
-                                         len_q_pad // cfg.dkdv_block_m)
+                                         len_q_pad // STATS_ROWS)
     lse2, delta = row_stats(lse, out, dout, len_q_pad, semaphores)
     scalars = (params.scale * LOG2E, params.scale)
     options = kernel_options(cfg, causal, accumulate_into is not None)
     args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores)
     gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots,
-                            ROTATE=rotated_sweeps(path, causal), **options)
+                            ROTATE=rotated_sweeps(path, causal, len_q, dim), **options)
     if not dq_in_dkdv:
         args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg, options["CAUSAL"])
         gluon_dq_kernel[grid](*args, *scalars, STAGES=cfg.dq_stages, **options)

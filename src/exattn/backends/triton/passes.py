@@ -27,6 +27,16 @@ LOG2E = 1.4426950408889634
 MAX_GRID = 2**31 - 1
 
 
+def env_flag(name: str) -> bool | None:
+    """The environment variable `name` as a flag: "1" True, "0" False, unset None."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}: got {value!r}, expected '0' or '1' (or unset)")
+    return value == "1"
+
+
 @dataclass
 class TritonSettings:
     """Non-default knobs of the Triton backend (module-level, see `settings`).
@@ -48,12 +58,12 @@ class TritonSettings:
         1.02-1.09x the dK/dV + dQ kernel pair it replaces, which serves
         everywhere else (and everywhere with it off). Bitwise reproducible
         either way. Env: EXATTN_TRITON_ORDERED_DQ=0 turns it off.
-    rotated_dq_order: ordered dQ under full attention: each key block starts its sweep at
-        its own query tile (spread over the tiles) and the blocks add into a tile in the
-        order their sweeps reach it (the default). Off: every block sweeps from the first
-        tile and the blocks add in key-block order (measured at d = 128: +3.5% at 16k,
-        level at 4k; d = 64 4k -6%; docs/triton.md). Bitwise reproducible either way.
-        Env: EXATTN_TRITON_ROTATED_DQ_ORDER=0 turns it off.
+    rotated_dq_order: ordered dQ under full attention: True, each key block starts its sweep
+        at its own query tile (spread over the tiles) and the blocks add into a tile in the
+        order their sweeps reach it; False, every block sweeps from the first tile and the
+        blocks add in key-block order; None (the default), False where it measured faster
+        (`gluon_backward.UNROTATED_MIN_LEN`: d = 128 from Nq = 8192, 1.01-1.04x), else True.
+        Bitwise reproducible either way. Env: EXATTN_TRITON_ROTATED_DQ_ORDER=1 or 0 (unset: None).
     use_tma: load tiles through TMA tensor descriptors where the strides allow
         (Hopper and newer, and the interpreter). Env: EXATTN_TRITON_TMA=0 turns it off.
     use_gluon: on sm_90 run the forward and backward through the Gluon kernels
@@ -64,7 +74,7 @@ class TritonSettings:
 
     atomic_dq: bool = os.environ.get("EXATTN_TRITON_ATOMIC_DQ", "0") == "1"
     ordered_dq: bool = os.environ.get("EXATTN_TRITON_ORDERED_DQ", "1") == "1"
-    rotated_dq_order: bool = os.environ.get("EXATTN_TRITON_ROTATED_DQ_ORDER", "1") == "1"
+    rotated_dq_order: bool | None = env_flag("EXATTN_TRITON_ROTATED_DQ_ORDER")
     use_tma: bool = os.environ.get("EXATTN_TRITON_TMA", "1") == "1"
     use_gluon: bool = os.environ.get("EXATTN_TRITON_GLUON", "1") == "1"
 
