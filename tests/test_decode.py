@@ -252,6 +252,30 @@ def test_plan_launch_keeps_more_programs_resident_on_a_full_gpu():
     assert config.num_stages == 2
 
 
+@pytest.mark.parametrize("batch,seqlen,splits", [
+    (1, 1024, 16),  # 8 programs: one key block a split, 128 programs
+    (8, 1024, 8),   # 64 programs: 512 = one wave of 4 resident per SM, 2 blocks a split
+    (16, 1024, 4),
+    (2, 300, 5),    # 5 key blocks, one each
+])
+def test_plan_launch_splits_short_sequences_finely_with_two_stages(batch, seqlen, splits):
+    from exattn.decode import SHORT_KEY_BLOCKS, plan_launch
+
+    h200 = dict(head_dim=128, value_dim=128, num_sms=132)
+    config, planned = plan_launch(batch, 8, 4, max_seqlen=seqlen, **h200)
+    assert config.num_stages == 2 and planned == splits
+    assert batch * 8 * planned <= 132 * 4 and planned <= -(-seqlen // config.block_n) <= SHORT_KEY_BLOCKS
+
+
+@pytest.mark.parametrize("batch,seqlen", [(1, 8192), (8, 1040), (32, 1024), (1, 100)])
+def test_plan_launch_keeps_the_plan_beyond_short_sequences(batch, seqlen):
+    """Longer than SHORT_KEY_BLOCKS blocks, a plan of one split, or too short to split: `plan_splits`, 3 stages."""
+    from exattn.decode import plan_launch
+
+    config, planned = plan_launch(batch, 8, 4, max_seqlen=seqlen, head_dim=128, value_dim=128, num_sms=132)
+    assert config.num_stages == 3 and planned == plan_splits(batch, 8, seqlen, 132, resident_per_sm=3)
+
+
 def test_plan_splits_rejects_nonsense():
     with pytest.raises(ValueError, match="max_seqlen"):
         plan_splits(1, 8, 0, 132)

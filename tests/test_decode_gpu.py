@@ -108,6 +108,23 @@ def test_bf16_full_gpu_plan():
     assert_matches_attention("B=64", out, lse, q, k, v, lens, batches=[0, 1, 31, 63])
 
 
+@pytest.mark.parametrize("batch", (1, 8))
+def test_bf16_short_sequence_plan(batch):
+    """Sequences of at most 1024 keys: 2 stages, splits of one or two key blocks, through
+    exattn.decode, contiguous and with 16-key pages, ragged lengths."""
+    from exattn.decode import make_decode_problem, triton_plan
+
+    q, k, v, lens = make_case(batch, 32, 8, 1, 1024, 128, seed=batch, lengths=[1024, 77, 1000, 64, 1, 513, 900, 2][:batch])
+    config, splits = triton_plan(make_decode_problem(q, k, v, lens, None, None, 0, False))
+    assert config.num_stages == 2 and splits == {1: 16, 8: 8}[batch]
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True)
+    assert_matches_attention(f"B={batch}", out, lse, q, k, v, lens)
+    k_pages, v_pages, table = paged(k, v, lens, 16)
+    paged_out, paged_lse = exattn.decode(q, k_pages, v_pages, cache_seqlens=lens, block_table=table, return_lse=True)
+    torch.testing.assert_close(paged_out, out, rtol=0, atol=1e-2)
+    torch.testing.assert_close(paged_lse, lse, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("shape", [(8, 1, 8, 64, 64), (6, 2, 2, 96, 96), (4, 4, 3, 256, 128), (4, 4, 1, 59, 40)],
                          ids=("mqa-128rows", "gqa-d96", "d256", "d59-dv40"))
 def test_bf16_head_dims_and_groups(shape):
