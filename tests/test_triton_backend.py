@@ -279,14 +279,15 @@ def test_hopper_reads_the_cached_capability(monkeypatch):
     assert not passes.hopper(on_gpu)
 
 
-@pytest.mark.parametrize("value,expected", [(None, None), ("1", True), ("0", False)])
-def test_env_flags_read_one_zero_or_unset(value, expected, monkeypatch):
+@pytest.mark.parametrize("value,default,expected", [(None, None, None), (None, True, True), ("1", False, True),
+                                                   ("0", True, False)])
+def test_env_flags_read_one_zero_or_unset(value, default, expected, monkeypatch):
     from exattn.backends.triton.passes import env_flag
 
     monkeypatch.delenv("EXATTN_TEST_FLAG", raising=False)
     if value is not None:
         monkeypatch.setenv("EXATTN_TEST_FLAG", value)
-    assert env_flag("EXATTN_TEST_FLAG") is expected
+    assert env_flag("EXATTN_TEST_FLAG", default) is expected
 
 
 def test_env_flags_refuse_other_values_naming_the_variable(monkeypatch):

@@ -27,11 +27,11 @@ LOG2E = 1.4426950408889634
 MAX_GRID = 2**31 - 1
 
 
-def env_flag(name: str) -> bool | None:
-    """The environment variable `name` as a flag: "1" True, "0" False, unset None."""
+def env_flag(name: str, default: bool | None = None) -> bool | None:
+    """The environment variable `name` as a flag: "1" True, "0" False, unset `default`."""
     value = os.environ.get(name)
     if value is None:
-        return None
+        return default
     if value not in ("0", "1"):
         raise ValueError(f"{name}: got {value!r}, expected '0' or '1' (or unset)")
     return value == "1"
@@ -72,11 +72,11 @@ class TritonSettings:
         Env: EXATTN_TRITON_GLUON=0 turns it off.
     """
 
-    atomic_dq: bool = os.environ.get("EXATTN_TRITON_ATOMIC_DQ", "0") == "1"
-    ordered_dq: bool = os.environ.get("EXATTN_TRITON_ORDERED_DQ", "1") == "1"
+    atomic_dq: bool = env_flag("EXATTN_TRITON_ATOMIC_DQ", False)
+    ordered_dq: bool = env_flag("EXATTN_TRITON_ORDERED_DQ", True)
     rotated_dq_order: bool | None = env_flag("EXATTN_TRITON_ROTATED_DQ_ORDER")
-    use_tma: bool = os.environ.get("EXATTN_TRITON_TMA", "1") == "1"
-    use_gluon: bool = os.environ.get("EXATTN_TRITON_GLUON", "1") == "1"
+    use_tma: bool = env_flag("EXATTN_TRITON_TMA", True)
+    use_gluon: bool = env_flag("EXATTN_TRITON_GLUON", True)
 
 
 settings = TritonSettings()
