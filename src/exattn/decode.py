@@ -280,6 +280,7 @@ def choose_decode_backend(problem: DecodeProblem, backend: object) -> str:
 SHORT_KEY_BLOCKS = 16
 
 
+@functools.lru_cache(maxsize=256)  # pure: a decode step's layers reuse one plan
 def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: int, max_seqlen: int,
                 num_sms: int, saturating_per_sm: int = 2) -> tuple[DecodeConfig, int]:
     """The split kernel's configuration and split count for `rows` = G * Nq query rows

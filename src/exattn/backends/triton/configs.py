@@ -68,6 +68,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for host integers (`triton.cdiv` is a JIT function: microseconds per host call)."""
+    return -(-a // b)
+
+
 def padded_dim(n: int) -> int:
     """Head dims are padded to a power of two >= 16 inside the kernels (masked loads)."""
     return max(MIN_BLOCK, 1 << (n - 1).bit_length())

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import ceil_div, padded_dim
+
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # query rows (G * Nq) one program carries; more rows add row blocks
@@ -56,8 +58,8 @@ def default_config(rows: int, head_dim: int, value_dim: int, fills_gpu: bool = F
     stages, 8k 4.40 vs 4.29, 128k 4.52-4.53 vs 4.44 (decode-tune-sweep.json); with
     fewer programs 2 stages read 4-6% less.
     """
-    block_m = min(MAX_ROWS, max(16, triton.next_power_of_2(rows)))
-    widest = max(triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim))
+    block_m = min(MAX_ROWS, padded_dim(rows))
+    widest = max(padded_dim(head_dim), padded_dim(value_dim))
     block_n = 64 if widest <= 128 else 32
     return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2 if fills_gpu else 3)
 
@@ -194,7 +196,7 @@ def decode_combine_kernel(OUT_PART, LSE_PART, OUT, LSE, num_splits,
 
 def max_useful_splits(capacity: int, config: DecodeConfig) -> int:
     """Splits beyond one per key block are always empty."""
-    return max(1, min(triton.cdiv(capacity, config.block_n), 65535))
+    return max(1, min(ceil_div(capacity, config.block_n), 65535))
 
 
 def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits, config=None):
@@ -223,15 +225,15 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
         part_lse = torch.empty(batch, heads_q, len_q, num_splits, dtype=torch.float32, device=q.device)
     table = block_table if paged else seqlens
     table_strides = block_table.stride() if paged else (0, 0)
-    grid = (batch * heads_k, num_splits, triton.cdiv(group * len_q, config.block_m))
+    grid = (batch * heads_k, num_splits, ceil_div(group * len_q, config.block_m))
     decode_split_kernel[grid](
         q, k_cache, v_cache, seqlens, table, part_out, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *table_strides,
         heads_k, group, len_q, num_splits, scale * LOG2E,
         HEAD_DIM=head_dim, VALUE_DIM=value_dim,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+        BLOCK_D=padded_dim(head_dim),
+        BLOCK_DV=padded_dim(value_dim),
         PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -239,6 +241,6 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
     if num_splits > 1:
         decode_combine_kernel[(batch * heads_q * len_q,)](
             part_out, part_lse, out, lse, num_splits,
-            VALUE_DIM=value_dim, BLOCK_S=16, BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), num_warps=4,
+            VALUE_DIM=value_dim, BLOCK_S=16, BLOCK_DV=padded_dim(value_dim), num_warps=4,
         )
     return out, lse

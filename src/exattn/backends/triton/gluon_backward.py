@@ -69,7 +69,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams, check_accumulators
 from . import schedule
-from .configs import tma_compatible
+from .configs import ceil_div, tma_compatible
 from .dq_order import dq_rank, load_early, settle_dq, sweep_start, sweep_tile, wait_turn
 from .gluon_forward import (
     CONSUMER_REGS,
@@ -662,7 +662,7 @@ def gluon_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
 
 def padded_rows(len_q: int, cfg: GluonBackwardConfig) -> int:
-    return triton.cdiv(len_q, cfg.dkdv_block_m) * cfg.dkdv_block_m
+    return ceil_div(len_q, cfg.dkdv_block_m) * cfg.dkdv_block_m
 
 
 def gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into=None, atomic_dq=False):
@@ -721,7 +721,7 @@ def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pa
     lse2 = torch.empty(batch * heads_q, len_q_pad, dtype=torch.float32, device=lse.device)
     delta = torch.empty_like(lse2)
     block = STATS_ROWS
-    row_tiles = triton.cdiv(len_q_pad, block)
+    row_tiles = ceil_div(len_q_pad, block)
     assert semaphores is None or semaphores.shape == (batch * heads_q, row_tiles) and semaphores.is_contiguous()
     row_stats_kernel[grid_of(row_tiles, batch * heads_q)](
         out, dout, lse, lse2, delta, semaphores, out.stride(), dout.stride(), lse.stride(), heads_q, len_q, len_q_pad,
@@ -741,7 +741,7 @@ def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: Gluo
     float32 dQ the kernel adds into (atomic_dq, or ordered with `semaphores`), or None."""
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
-    col_tiles = triton.cdiv(len_k, 2 * ROWS.value)
+    col_tiles = ceil_div(len_k, 2 * ROWS.value)
     order = 1
     if causal:  # per K/V head: its group's Q and dO rows
         costs = schedule.causal_key_costs(len_q, len_k, 2 * ROWS.value, cfg.dkdv_block_m)
@@ -792,19 +792,19 @@ def ordered_dq_fits(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     capped to fit); causal with Nk <= Nq (key blocks start their sweeps at distinct tiles); full
     attention with at least one 64-row query tile per key block (distinct rotated starts)."""
     len_q, len_k = q.shape[2], k.shape[2]
-    key_blocks = triton.cdiv(len_k, 2 * ROWS.value)
+    key_blocks = ceil_div(len_k, 2 * ROWS.value)
     if key_blocks > resident_programs(q.device):
         return False
     if causal:
         return len_k <= len_q
-    return triton.cdiv(len_q, ATOMIC_CONFIGS[q.shape[-1]].dkdv_block_m) >= key_blocks
+    return ceil_div(len_q, ATOMIC_CONFIGS[q.shape[-1]].dkdv_block_m) >= key_blocks
 
 
 def dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad: int, cfg: GluonBackwardConfig, causal: bool) -> tuple:
     """Positional arguments of `gluon_dq_kernel` before scale_log2, and its grid."""
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
-    row_tiles = triton.cdiv(len_q, 2 * ROWS.value)
+    row_tiles = ceil_div(len_q, 2 * ROWS.value)
     order = 1
     if causal:  # per query head: its K and V rows
         costs = schedule.causal_row_costs(len_q, len_k, 2 * ROWS.value, cfg.dq_block_n)

@@ -33,7 +33,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -47,7 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams
 from . import schedule
-from .configs import capability_of, device_index, interpreting, tma_compatible
+from .configs import capability_of, ceil_div, device_index, interpreting, tma_compatible
 from .passes import on_device, scalar_args
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
@@ -602,7 +601,7 @@ def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, progra
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
     cfg = CONFIGS[dim]
-    row_tiles = triton.cdiv(len_q, cfg.consumers * ROWS.value)
+    row_tiles = ceil_div(len_q, cfg.consumers * ROWS.value)
     work = row_tiles * batch * heads_q
     if programs is None:
         programs = min(work, multiprocessor_count(q.device)) if persistent_grid(cfg, causal) else work

@@ -20,7 +20,7 @@ import triton
 
 from ...problem import UNBOUNDED, AttentionParams, check_accumulators
 from .backward_kernel import attention_delta_kernel, attention_dkdv_kernel, attention_dq_kernel
-from .configs import TileConfig, capability_of, choose_config, interpreting, padded_dim, tma_compatible
+from .configs import TileConfig, capability_of, ceil_div, choose_config, interpreting, padded_dim, tma_compatible
 from .forward_kernel import attention_forward_kernel
 
 LOG2E = 1.4426950408889634
@@ -184,7 +184,7 @@ def launch_forward(q, k, v, mask, params: AttentionParams):
     mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
     flags = kernel_flags(q, params)
     use_ws = cfg.warp_specialize and cfg.num_warps == 4 and hopper(q)
-    num_tiles = triton.cdiv(len_q, cfg.block_m)
+    num_tiles = ceil_div(len_q, cfg.block_m)
     attention_forward_kernel[grid_of(num_tiles, batch * heads_q)](
         q, k, v, out, lse, mask_arg, q.stride(), k.stride(), v.stride(), out.stride(), mask_strides,
         heads_q, heads_q // heads_k, len_q, len_k, num_tiles, **scalar_args(params),
@@ -211,7 +211,7 @@ def row_deltas(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """delta = rowsum(out * dout) in float32, contiguous (B, Hq, Nq): the backward's preprocess."""
     batch, heads_q, len_q, dim_v = out.shape
     delta = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=out.device)
-    row_tiles = triton.cdiv(len_q, 64)
+    row_tiles = ceil_div(len_q, 64)
     attention_delta_kernel[grid_of(row_tiles, batch * heads_q)](
         out, dout, delta, out.stride(), dout.stride(), heads_q, len_q, row_tiles,
         DV=dim_v, BLOCK_M=64, BLOCK_DV=padded_dim(dim_v), num_warps=4,
@@ -243,7 +243,7 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
 
     cfg = config_for("dkdv", q, v, mask, params)
-    col_tiles = triton.cdiv(len_k, cfg.block_n)
+    col_tiles = ceil_div(len_k, cfg.block_n)
     attention_dkdv_kernel[grid_of(col_tiles, batch * heads_k)](
         q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg,
         q.stride(), k.stride(), v.stride(), dout.stride(), dk.stride(), dv.stride(),
@@ -258,7 +258,7 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
         return (dq_acc * params.scale).to(q.dtype), dk, dv
 
     cfg = config_for("dq", q, v, mask, params)
-    row_tiles = triton.cdiv(len_q, cfg.block_m)
+    row_tiles = ceil_div(len_q, cfg.block_m)
     attention_dq_kernel[grid_of(row_tiles, batch * heads_q)](
         q, k, v, dout, lse, delta, dq, mask_arg,
         q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride(), mask_strides,
