@@ -210,7 +210,7 @@ def test_plan_splits_fills_the_gpu_only_when_needed():
     assert plan_splits(1, 8, 131072, **h200) >= 16  # one sequence: splitting keeps the GPU busy
     few = plan_splits(8, 8, 131072, **h200)
     assert 2 <= few <= 8
-    assert plan_splits(1, 8, 1024, **h200) == 8  # 16 key blocks: 8 splits of 2 (measured best)
+    assert plan_splits(1, 8, 1024, **h200) == 8  # 16 key blocks: 8 splits of 2 (best on 3 stages; `plan_launch` goes finer)
     assert plan_splits(64, 8, 1024, **h200) == 1  # a full GPU: 3 splits of 5 blocks measured slower
     assert plan_splits(1, 8, 100, **h200) == 1  # 2 key blocks: nothing worth splitting
     assert plan_splits(1, 1, 10**6, num_sms=1, saturating_per_sm=1, resident_per_sm=1) == 1  # one slot
