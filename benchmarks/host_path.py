@@ -47,7 +47,6 @@ def cases():
     import torch
 
     import exattn
-    from exattn.backends.triton.decode_kernel import decode_forward  # noqa: F401  (imported before stubbing)
 
     torch.manual_seed(0)
     q = torch.randn(8, 32, 1, 128, dtype=torch.float16)

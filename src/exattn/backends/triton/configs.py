@@ -74,7 +74,8 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def padded_dim(n: int) -> int:
-    """Head dims are padded to a power of two >= 16 inside the kernels (masked loads)."""
+    """n rounded up to a power of two >= 16: a head dim as the kernels pad it (masked loads), or a
+    tile of n rows."""
     return max(MIN_BLOCK, 1 << (n - 1).bit_length())
 
 
