@@ -216,17 +216,30 @@ def test_plan_splits_fills_the_gpu_only_when_needed():
     assert plan_splits(1, 1, 10**6, num_sms=1, saturating_per_sm=1, resident_per_sm=1) == 1  # one slot
 
 
+@pytest.mark.parametrize("batch,seqlen,splits", [
+    (1, 4096, 16), (1, 8192, 16), (1, 16384, 16),  # one program per SM: 2-4 key blocks a split beat 32 splits
+    (1, 32768, 32), (1, 131072, 32),  # two per SM once each split keeps 8 blocks
+    (2, 4096, 8), (2, 8192, 16), (4, 2048, 4), (4, 4096, 8), (8, 8192, 4),
+])
+def test_plan_splits_under_filled_measured(batch, seqlen, splits):
+    """The best split counts of the H200 sweep (decode-split-rule-h200.json), Hk = 8."""
+    assert plan_splits(batch, 8, seqlen, 132) == splits
+
+
 @pytest.mark.parametrize("batch", (1, 2, 3, 8, 20, 33, 64, 200))
 @pytest.mark.parametrize("seqlen", (1, 63, 1000, 32768, 131072))
 def test_plan_splits_bounds(batch, seqlen):
-    programs = batch * 8
+    programs, key_blocks = batch * 8, -(-seqlen // 64)
     full = programs >= 132 * 2
-    slots = 132 * 3 if full else 132 * 2  # resident programs once HBM is saturated, else saturating
-    shortest = 16 if full else 4  # key blocks of 64 that each split keeps at least
-    most = max(1, min(128, -(-seqlen // 64) // shortest))
+    if full:  # waves of the resident programs; splits of at least 16 key blocks
+        slots, most = 132 * 3, max(1, min(128, key_blocks // 16))
+    else:  # waves of one program per SM, two where the splits keep 8 blocks; splits of at least 4
+        slots = 132 * 2 if key_blocks // max(1, 132 * 2 // programs) >= 8 else 132
+        most = max(1, min(128, key_blocks // 4, slots // programs))
     splits = plan_splits(batch, 8, seqlen, 132, block_n=64, saturating_per_sm=2, resident_per_sm=3,
-                         min_blocks_per_split=4, min_blocks_when_full=16, max_splits=128)
+                         min_blocks_per_split=4, min_blocks_saturating=8, min_blocks_when_full=16, max_splits=128)
     assert 1 <= splits <= most
+    assert full or splits == 1 or programs * splits <= slots  # under-filled and split: no program waits
 
     def tail_efficiency(s):
         waves = programs * s / slots
@@ -274,6 +287,18 @@ def test_plan_launch_keeps_the_plan_beyond_short_sequences(batch, seqlen):
 
     config, planned = plan_launch(batch, 8, 4, max_seqlen=seqlen, head_dim=128, value_dim=128, num_sms=132)
     assert config.num_stages == 3 and planned == plan_splits(batch, 8, seqlen, 132, resident_per_sm=3)
+
+
+@pytest.mark.parametrize("batch,seqlen,contiguous,paged", [
+    (1, 4096, 16, 16), (1, 8192, 16, 32), (1, 16384, 16, 32), (1, 32768, 32, 32), (2, 4096, 8, 16), (4, 2048, 4, 8),
+])
+def test_plan_launch_gives_paged_caches_two_programs_per_sm_sooner(batch, seqlen, contiguous, paged):
+    """The best split counts of the H200 sweeps (decode-split-rule-h200.json, decode-paged-splits-h200.json)."""
+    from exattn.decode import plan_launch
+
+    h200 = dict(head_dim=128, value_dim=128, num_sms=132)
+    assert plan_launch(batch, 8, 4, max_seqlen=seqlen, **h200)[1] == contiguous
+    assert plan_launch(batch, 8, 4, max_seqlen=seqlen, **h200, paged=True)[1] == paged
 
 
 def test_plan_splits_rejects_nonsense():

@@ -184,16 +184,29 @@ def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, 
 
 # ---------------------------------------------------------------- planning
 
+# An under-filled launch takes a second program per SM once its splits keep this many key blocks
+# (`plan_splits`). Paged caches from fewer: the page index in each block's address chain leaves one
+# program's loads more latency to hide.
+# B = 1 at 8k with 32 splits: 16-key pages 1.93 TB/s against 1.82 with 16, 256-key pages 2.12
+# against 2.04; the contiguous cache 2.15 against 2.25 (decode-paged-splits-h200.json).
+MIN_BLOCKS_SATURATING = 8
+PAGED_MIN_BLOCKS_SATURATING = 3
+
+
 def plan_splits(
     batch: int, heads_k: int, max_seqlen: int, num_sms: int, *, row_blocks: int = 1,
     block_n: int = 64, saturating_per_sm: int = 2, resident_per_sm: int = 3,
-    min_blocks_per_split: int = 2, min_blocks_when_full: int = 16, max_splits: int = 128,
+    min_blocks_per_split: int = 2, min_blocks_saturating: int = MIN_BLOCKS_SATURATING,
+    min_blocks_when_full: int = 16, max_splits: int = 128,
 ) -> int:
     """How many key splits one decode launch should use. Pure function.
 
     `batch * heads_k * row_blocks` programs exist without splitting. With
-    fewer than `saturating_per_sm` per SM, HBM is not saturated: waves are
-    counted in `num_sms * saturating_per_sm` programs. With more, what matters
+    fewer than `saturating_per_sm` per SM, HBM is not saturated, and the programs
+    on one SM share its bandwidth: waves are counted in one program per SM, up to
+    `saturating_per_sm` per SM once each split then keeps `min_blocks_saturating`
+    key blocks (shorter splits cost more in partial results and per-program
+    latency than a second program per SM gains). With more, what matters
     is the partial last wave of the programs resident at once (`resident_per_sm`,
     which the kernel configuration's shared memory and registers allow). With
     `waves(s) = programs * s / slots`, a split count's efficiency is
@@ -209,19 +222,25 @@ def plan_splits(
     blocks read 0.56 TB/s, 4 splits of 4 blocks 0.46. With 2 stages (4 resident
     per SM, `plan_launch`) B = 64 is 0.97 waves unsplit, and 1 split read 4.54 /
     4.61 / 4.56-4.65 TB/s at 8k / 32k / 128k, 2-3 splits 4.42-4.45 / 4.57-4.60 /
-    4.62-4.64 (decode-b64-2stage-sweep.json).
+    4.62-4.64 (decode-b64-2stage-sweep.json). Under-filled, Hk = 8 (decode-split-rule-h200.json):
+    B = 1 reads most with 16 splits (one program per SM) from 2k to 16k (4k: 1.56 TB/s
+    against 1.42 with 32, 1.37 with 24; 8k: 2.23 against 2.13 / 2.04) and with 32 at 32k
+    (3.31 against 3.26); B = 2 / 4 with 16 / 8 splits (two per SM) once those hold 8 blocks.
     """
     for name, value in (("batch", batch), ("heads_k", heads_k), ("max_seqlen", max_seqlen),
                         ("num_sms", num_sms), ("row_blocks", row_blocks)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     programs = batch * heads_k * row_blocks
-    saturating = num_sms * saturating_per_sm
-    full = programs >= saturating
-    slots = num_sms * resident_per_sm if full else saturating
+    full = programs >= num_sms * saturating_per_sm
     key_blocks = math.ceil(max_seqlen / block_n)
-    shortest = min_blocks_when_full if full else min_blocks_per_split
-    most = max(1, min(max_splits, key_blocks // shortest))
+    if full:
+        slots = num_sms * resident_per_sm
+        most = max(1, min(max_splits, key_blocks // min_blocks_when_full))
+    else:
+        deep = key_blocks // max(1, num_sms * saturating_per_sm // programs) >= min_blocks_saturating
+        slots = num_sms * (saturating_per_sm if deep else 1)
+        most = max(1, min(max_splits, key_blocks // min_blocks_per_split, slots // programs))
 
     def efficiency(splits: int) -> float:
         waves = programs * splits / slots
@@ -282,19 +301,19 @@ SHORT_KEY_BLOCKS = 16
 
 @functools.lru_cache(maxsize=256)  # pure: a decode step's layers reuse one plan
 def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: int, max_seqlen: int,
-                num_sms: int, saturating_per_sm: int = 2) -> tuple[DecodeConfig, int]:
+                num_sms: int, saturating_per_sm: int = 2, paged: bool = False) -> tuple[DecodeConfig, int]:
     """The split kernel's configuration and split count for `rows` = G * Nq query rows
-    per K/V head. Pure function. A launch that saturates HBM unsplit (at least
-    `saturating_per_sm` programs per SM) takes the configuration with more resident
+    per K/V head of a contiguous or `paged` cache. Pure function. A launch that saturates
+    HBM unsplit (at least `saturating_per_sm` programs per SM) takes the configuration with more resident
     programs (`default_config(..., fills_gpu=True)`), and `plan_splits` counts its waves.
     A short sequence (at most SHORT_KEY_BLOCKS key blocks) on an under-filled GPU takes
     that configuration too, split as finely as one wave of its resident programs allows
     (down to one key block a split), where `plan_splits` would split it at all. Measured
     at 1k keys (B = 1: 16 splits of one block 0.60 TB/s contiguous, 0.55 with 16-key
     pages, against 0.56 / 0.47 with 8 splits of 2 blocks and 3 stages; B = 8: 8 splits
-    2.24 / 2.10 against 4 splits 2.23 / 1.99; decode-short-splits-h200.json); at 8k
-    (128 blocks, B = 1) 64 splits with 2 stages read 2-9% less than the plan, and 2k-4k
-    are not measured."""
+    2.24 / 2.10 against 4 splits 2.23 / 1.99; decode-short-splits-h200.json); at 2k-4k
+    (B = 1 and 8) 2 stages read 1-10% less than 3 with the plan's splits, and at 8k
+    (B = 1) 64 splits with 2 stages 2-9% less than the plan (decode-mid-splits-h200.json)."""
     from .backends.triton.decode_kernel import default_config, resident_per_sm
 
     row_blocks = math.ceil(rows / default_config(rows, head_dim, value_dim).block_m)
@@ -302,7 +321,8 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
     fills_gpu = programs >= num_sms * saturating_per_sm
     config = default_config(rows, head_dim, value_dim, fills_gpu)
     splits = plan_splits(batch, heads_k, max_seqlen, num_sms, row_blocks=row_blocks, block_n=config.block_n,
-                         saturating_per_sm=saturating_per_sm, resident_per_sm=resident_per_sm(config))
+                         saturating_per_sm=saturating_per_sm, resident_per_sm=resident_per_sm(config),
+                         min_blocks_saturating=PAGED_MIN_BLOCKS_SATURATING if paged else MIN_BLOCKS_SATURATING)
     key_blocks = math.ceil(max_seqlen / config.block_n)
     if fills_gpu or splits == 1 or key_blocks > SHORT_KEY_BLOCKS:
         return config, splits
@@ -317,7 +337,7 @@ def triton_plan(problem: DecodeProblem) -> tuple[DecodeConfig, int]:
     heads_k = problem.k_cache.shape[1]
     rows = (q.shape[1] // heads_k) * q.shape[2]
     config, planned = plan_launch(q.shape[0], heads_k, rows, q.shape[3], problem.v_cache.shape[3],
-                                  problem.capacity, num_sms)
+                                  problem.capacity, num_sms, paged=problem.paged)
     return config, problem.num_splits or planned
 
 
