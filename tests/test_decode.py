@@ -99,17 +99,34 @@ def test_every_num_splits_agrees(backend):
         torch.testing.assert_close(out, results[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("merge_in_split", (False, True), ids=("combine-kernel", "merge-in-split"))
 @pytest.mark.parametrize("block_n", (16, 32))
-def test_kernel_many_and_empty_splits(block_n):
-    """Small key blocks give many real splits; the short sequences leave most of them empty."""
+def test_kernel_many_and_empty_splits(block_n, merge_in_split):
+    """Small key blocks give many real splits; the short sequences leave most of them empty.
+    Merged in the split kernel, more splits than one merge load holds take several loads."""
+    from exattn.backends.triton import decode_kernel
     from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward
 
-    q, k, v, lens = make_case(3, 2, 2, 1, 200, 16, torch.float16, seed=3, lengths=[200, 1, 37])
-    config = DecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2)
+    q, k, v, lens = make_case(3, 6, 2, 1, 200, 16, torch.float16, seed=3, lengths=[200, 1, 37])
+    config = DecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2, merge_in_split=merge_in_split)
     for num_splits in (1, 4, 64):
         out, lse = decode_forward(q, k, v, lens, None, 0.25, num_splits, config)
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
         assert_matches_attention(f"splits={num_splits}", out, lse, q, k, v, lens)  # scale 0.25 = 16 ** -0.5
+    if merge_in_split:  # the last split of each group reset its counter
+        assert all(int(counts.abs().sum()) == 0 for kept in decode_kernel._ARRIVALS.values() for counts in kept)
+
+
+def test_merge_in_split_takes_several_loads(monkeypatch):
+    """More splits than one merge load holds: the online merge across loads."""
+    from exattn.backends.triton import decode_kernel
+    from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward
+
+    monkeypatch.setattr(decode_kernel, "MERGE_ELEMENTS", 3 * 16 * 4)  # 4 rows x 16 (Dv) x 3 -> 2 splits a load
+    q, k, v, lens = make_case(2, 8, 2, 1, 300, 16, torch.float32, seed=5, lengths=[300, 70])
+    config = DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, merge_in_split=True)
+    out, lse = decode_forward(q, k, v, lens, None, 0.25, 7, config)
+    assert_matches_attention("7 splits, 2 a load", out, lse, q, k, v, lens)
 
 
 @pytest.mark.parametrize("page_size, block_n, len_q", [(16, 32, 3), (24, 64, 16), (32, 32, 1), (48, 16, 2)],
@@ -125,12 +142,12 @@ def test_kernel_short_and_empty_sequences_wide_tables(page_size, block_n, len_q)
     q, k, v, lens = make_case(5, 4, 2, len_q, 200, 24, torch.float16, seed=page_size, lengths=lengths)
     k_pages, v_pages, table = paged(k, v, lens, page_size)
     table = torch.cat([table, torch.full_like(table[:, :2], -7)], dim=1).contiguous()
-    config = DecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
     real = [b for b, n in enumerate(lengths) if n > 0]
-    for num_splits in (1, 3):
+    for num_splits, merge_in_split in ((1, False), (3, False), (3, True)):
+        config = DecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3, merge_in_split=merge_in_split)
         for caches in ((k, v, None), (k_pages, v_pages, table)):
             out, lse = decode_forward(q, caches[0], caches[1], lens, caches[2], 24 ** -0.5, num_splits, config)
-            name = f"splits={num_splits} paged={caches[2] is not None}"
+            name = f"splits={num_splits} merge_in_split={merge_in_split} paged={caches[2] is not None}"
             assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf")), name
             assert_matches_attention(name, out[real], lse[real], q[real], k[real], v[real], lens[real])
 
@@ -299,6 +316,18 @@ def test_plan_launch_gives_paged_caches_two_programs_per_sm_sooner(batch, seqlen
     h200 = dict(head_dim=128, value_dim=128, num_sms=132)
     assert plan_launch(batch, 8, 4, max_seqlen=seqlen, **h200)[1] == contiguous
     assert plan_launch(batch, 8, 4, max_seqlen=seqlen, **h200, paged=True)[1] == paged
+
+
+@pytest.mark.parametrize("batch,seqlen,merge", [
+    (1, 4096, False), (1, 16384, False), (1, 32768, True), (8, 4096, True), (8, 1024, True), (64, 8192, False),
+])
+def test_plan_launch_merges_in_the_split_kernel_past_one_program_per_sm(batch, seqlen, merge):
+    """B = 1 with 16 splits is 128 programs on 132 SMs: the combine kernel; 32 splits, or B = 8's 4: merged
+    in the split kernel; unsplit: nothing to merge."""
+    from exattn.decode import plan_launch
+
+    config, splits = plan_launch(batch, 8, 4, max_seqlen=seqlen, head_dim=128, value_dim=128, num_sms=132)
+    assert config.merge_in_split == merge and (splits > 1 or not merge)
 
 
 def test_plan_splits_rejects_nonsense():

@@ -64,13 +64,15 @@ def test_bf16_paged_equals_contiguous(page_size):
         torch.testing.assert_close(lse, flat_lse, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("merge_in_split", (False, True), ids=("combine-kernel", "merge-in-split"))
 @pytest.mark.parametrize("stages", (2, 3))
-def test_bf16_planned_configs(stages):
-    """Both configurations the plan picks (3 stages, or 2 on a full GPU), contiguous and paged."""
+def test_bf16_planned_configs(stages, merge_in_split):
+    """The configurations the plan picks (3 stages, or 2 on a full GPU; splits merged by the
+    combine kernel or in the split kernel), contiguous and paged."""
     from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward
 
     q, k, v, lens = make_case(4, 32, 8, 1, 3000, 128, seed=stages)
-    config = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=stages)
+    config = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=stages, merge_in_split=merge_in_split)
     k_pages, v_pages, table = paged(k, v, lens, 16)
     for num_splits in (1, 6):
         out, lse = decode_forward(q, k, v, lens, None, 128 ** -0.5, num_splits, config)
@@ -92,11 +94,11 @@ def test_bf16_short_and_empty_sequences_paged(page_size):
     k_pages, v_pages, table = paged(k, v, lens, page_size)
     table = torch.cat([table, torch.full_like(table[:, :3], -7)], dim=1).contiguous()
     real = [b for b, n in enumerate(lengths) if n > 0]
-    for stages in (2, 3):
-        config = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=stages)
-        for num_splits in (1, 3, 16):
+    for stages, merge_in_split in ((2, False), (3, False), (2, True), (3, True)):
+        config = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=stages, merge_in_split=merge_in_split)
+        for num_splits in (1, 3, 16, 32):
             out, lse = decode_forward(q, k_pages, v_pages, lens, table, 128 ** -0.5, num_splits, config)
-            name = f"stages={stages} splits={num_splits}"
+            name = f"stages={stages} merge_in_split={merge_in_split} splits={num_splits}"
             assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf")), name
             assert_matches_attention(name, out, lse, q, k, v, lens, batches=real)
 

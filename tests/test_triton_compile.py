@@ -57,9 +57,10 @@ def recorded_launches(params: AttentionParams, mask, use_tma: bool) -> dict:
     return {kind: recorder.calls[0] for kind, recorder in recorders.items()}
 
 
-def recorded_decode_launches(paged: bool) -> dict:
+def recorded_decode_launches(paged: bool, merge_in_split: bool = False) -> dict:
     """{kind: (args, kwargs)} of one 3-split decode step (2 new tokens, GQA 4:1, d = 96) on CPU
-    tensors, contiguous or with 16-key pages (throwaway process, as `recorded_launches`)."""
+    tensors, contiguous or with 16-key pages, merged by the combine kernel or in the split kernel
+    (throwaway process, as `recorded_launches`)."""
     recorders = {kind: RecordedLaunch() for kind in DECODE_KERNELS}
     for kind, name in DECODE_KERNELS.items():
         setattr(decode_kernel, name, recorders[kind])
@@ -70,8 +71,9 @@ def recorded_decode_launches(paged: bool) -> dict:
         table = torch.randperm(40, dtype=torch.int32)[:38].reshape(2, 19)
     else:
         (k, v), table = (torch.randn(2, 2, 304, 96, dtype=torch.bfloat16) for _ in range(2)), None
-    decode_kernel.decode_forward(q, k, v, seqlens, table, 0.1, num_splits=3)
-    return {kind: recorder.calls[0] for kind, recorder in recorders.items()}
+    config = decode_kernel.default_config(8, 96, 96)._replace(merge_in_split=merge_in_split)
+    decode_kernel.decode_forward(q, k, v, seqlens, table, 0.1, num_splits=3, config=config)
+    return {kind: recorder.calls[0] for kind, recorder in recorders.items() if recorder.calls}
 
 
 def compile_for_sm90(kernel, args, kwargs):
@@ -82,7 +84,7 @@ def compile_for_sm90(kernel, args, kwargs):
     values.update(kwargs)
     signature, constexprs = {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
-        value = values[name]
+        value = values[name] if name in values else kernel.signature.parameters[name].default
         if param.is_constexpr or value is None:
             signature[name] = "constexpr"
             constexprs[(i,)] = value
@@ -100,14 +102,15 @@ CASES = {
     "causal-tma": (AttentionParams(scale=0.1, window=(-1, 0)), False, True),
     "window-mask-dropout-pointers": (AttentionParams(scale=0.1, window=(40, 3), dropout_p=0.1, seed=5), True, False),
 }
-DECODE_CASES = {"decode-contiguous": False, "decode-paged": True}
+DECODE_CASES = {"decode-contiguous": (False, False), "decode-paged": (True, False),
+                "decode-paged-merge-in-split": (True, True)}
 
 
 def compile_case(case: str) -> dict:
     """{kernel kind: shared-memory bytes} of the four kernels compiled for one case."""
     if case in DECODE_CASES:
         real = {kind: getattr(decode_kernel, name) for kind, name in DECODE_KERNELS.items()}
-        launches = recorded_decode_launches(DECODE_CASES[case])
+        launches = recorded_decode_launches(*DECODE_CASES[case])
     else:
         params, with_mask, use_tma = CASES[case]
         mask = torch.randn(2, 1, 300, 211) if with_mask else None
@@ -127,7 +130,9 @@ def test_every_kernel_compiles_for_sm90(case):
     run = subprocess.run([sys.executable, __file__, case], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])
-    assert sorted(shared) == sorted(DECODE_KERNELS if case in DECODE_CASES else KERNELS)
+    expected = {"decode-paged-merge-in-split": ["decode-split"]}.get(
+        case, sorted(DECODE_KERNELS if case in DECODE_CASES else KERNELS))
+    assert sorted(shared) == expected
     assert all(size <= 232448 for size in shared.values()), shared
 
 

@@ -313,7 +313,11 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
     pages, against 0.56 / 0.47 with 8 splits of 2 blocks and 3 stages; B = 8: 8 splits
     2.24 / 2.10 against 4 splits 2.23 / 1.99; decode-short-splits-h200.json); at 2k-4k
     (B = 1 and 8) 2 stages read 1-10% less than 3 with the plan's splits, and at 8k
-    (B = 1) 64 splits with 2 stages 2-9% less than the plan (decode-mid-splits-h200.json)."""
+    (B = 1) 64 splits with 2 stages 2-9% less than the plan (decode-mid-splits-h200.json).
+    A split launch of more programs than SMs merges its splits in the split kernel
+    (`merge_in_split`): B = 8, 1k-8k, 1.02-1.05x the combine kernel, 32k-128k level; B = 1
+    with 32 splits (32k) 1.04x; with 16 splits (one program per SM; 1k-16k) 0.93-0.98x
+    (decode-fused-merge-vectorized-ab-h200.json)."""
     from .backends.triton.decode_kernel import default_config, resident_per_sm
 
     row_blocks = math.ceil(rows / default_config(rows, head_dim, value_dim).block_m)
@@ -324,10 +328,10 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
                          saturating_per_sm=saturating_per_sm, resident_per_sm=resident_per_sm(config),
                          min_blocks_saturating=PAGED_MIN_BLOCKS_SATURATING if paged else MIN_BLOCKS_SATURATING)
     key_blocks = math.ceil(max_seqlen / config.block_n)
-    if fills_gpu or splits == 1 or key_blocks > SHORT_KEY_BLOCKS:
-        return config, splits
-    config = default_config(rows, head_dim, value_dim, fills_gpu=True)
-    return config, max(1, min(key_blocks, num_sms * resident_per_sm(config) // programs))
+    if not (fills_gpu or splits == 1 or key_blocks > SHORT_KEY_BLOCKS):
+        config = default_config(rows, head_dim, value_dim, fills_gpu=True)
+        splits = max(1, min(key_blocks, num_sms * resident_per_sm(config) // programs))
+    return config._replace(merge_in_split=splits > 1 and programs * splits > num_sms), splits
 
 
 def triton_plan(problem: DecodeProblem) -> tuple[DecodeConfig, int]:

@@ -73,10 +73,15 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 def padded_dim(n: int) -> int:
     """n rounded up to a power of two >= 16: a head dim as the kernels pad it (masked loads), or a
     tile of n rows."""
-    return max(MIN_BLOCK, 1 << (n - 1).bit_length())
+    return max(MIN_BLOCK, next_power_of_two(n))
 
 
 def dim_bucket(head_dim: int) -> int:

@@ -8,16 +8,21 @@ Two passes (flash-decoding):
    group (G = Hq // Hk), so each K/V byte is read once. It writes the split's
    normalized partial output (fp32) and lse (natural log). An empty split
    (a sequence shorter than the split grid) writes 0 and -inf.
-2. `decode_combine_kernel`, grid (B * Hq * Nq,), merges the splits of a row
-   with the rule of `exattn.algebra.merge_states`, each split read as the
-   summary (m, l, u) = (lse_s, 1, out_s):
+2. `decode_combine_kernel`, grid (B * Hk, G * Nq), merges the splits of a row
+   (`_merge_splits`) with the rule of `exattn.algebra.merge_states`, each split
+   read as the summary (m, l, u) = (lse_s, 1, out_s):
 
        m = max_s lse_s  (-inf stands in as 0),   w_s = exp(lse_s - m)
        out = sum_s w_s out_s / sum_s w_s,        lse = m + log sum_s w_s
 
-   and a row whose splits are all empty gives out 0, lse -inf.
+   online over loads of up to MERGE_ELEMENTS partial outputs; a row whose
+   splits are all empty gives out 0, lse -inf.
 
-With one split the first pass writes the final output directly.
+With one split the first pass writes the final output directly. With
+`config.merge_in_split` there is no second pass: each split program, after its
+stores, counts its arrival on its group's counter (atomic, acquire-release), and
+the last to arrive merges the group's splits by the same rule and resets the
+counter to 0.
 
 Split rule, per sequence of length L: `chunk = ceil(ceil(L / S) / BLOCK_N) * BLOCK_N`,
 split s covers keys [s * chunk, min((s + 1) * chunk, L)). Row r of a group is
@@ -34,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import ceil_div, padded_dim
+from .configs import ceil_div, next_power_of_two, padded_dim
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = 1.4426950408889634
@@ -42,10 +47,14 @@ MAX_ROWS = 64  # query rows (G * Nq) one program carries; more rows add row bloc
 
 
 class DecodeConfig(NamedTuple):
+    """merge_in_split: with several splits, the last split of each group to finish merges the
+    group's partial results (`_merge_splits`) instead of a second kernel (`plan_launch` decides)."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    merge_in_split: bool = False
 
 
 def default_config(rows: int, head_dim: int, value_dim: int, fills_gpu: bool = False) -> DecodeConfig:
@@ -101,6 +110,8 @@ def decode_split_kernel(
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    FINAL_OUT=None, FINAL_LSE=None, ARRIVALS=None,
+    MERGE_ROWS: tl.constexpr = 0, MERGE_SPLITS: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -160,38 +171,81 @@ def decode_split_kernel(
     tl.store(OUT + out_row[:, None] * VALUE_DIM + dv[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & (dv[None, :] < VALUE_DIM))
     tl.store(LSE + out_row, lse, mask=row_ok)
+    if MERGE_ROWS > 0:
+        # The last split of this group to arrive merges them all; its arrival (after a barrier
+        # behind every thread's stores) acquires the other splits' results.
+        tl.debug_barrier()
+        arrivals = ARRIVALS + pid * tl.num_programs(2) + tl.program_id(2)
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_splits - 1:
+            tl.atomic_xchg(arrivals, 0)
+            _merge_splits(OUT, LSE, FINAL_OUT, FINAL_LSE, b, hk, heads_k, group, len_q, num_splits,
+                          tl.program_id(2) * BLOCK_M, VALUE_DIM, BLOCK_DV, MERGE_ROWS, MERGE_SPLITS)
 
 
 @triton.jit
-def decode_combine_kernel(OUT_PART, LSE_PART, OUT, LSE, num_splits,
-                          VALUE_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
+def _merge_splits(PART_OUT, PART_LSE, OUT, LSE, b, hk, heads_k, group, len_q, num_splits, row0,
+                  VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_ROWS: tl.constexpr,
+                  MERGE_SPLITS: tl.constexpr):
+    """`merge_states` of the splits' summaries (lse_s, 1, out_s) for rows row0 + [0, MERGE_ROWS),
+    MERGE_SPLITS splits a load."""
+    rows = row0 + tl.arange(0, MERGE_ROWS)
+    row_ok = rows < group * len_q
+    final_row = (b * heads_k * group + hk * group + rows // len_q).to(tl.int64) * len_q + rows % len_q
+    s = tl.arange(0, MERGE_SPLITS)
     dv = tl.arange(0, BLOCK_DV)
-    first = row * num_splits
-    m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        part_lse = tl.load(LSE_PART + first + s0 + s, mask=s0 + s < num_splits, other=float("-inf"))
-        m_vec = tl.maximum(m_vec, part_lse)
-    m = tl.max(m_vec, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    weight_sum = tl.zeros([BLOCK_S], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        ok = s0 + s < num_splits
-        part_lse = tl.load(LSE_PART + first + s0 + s, mask=ok, other=float("-inf"))
-        w = tl.exp(part_lse - m_safe)
-        part = tl.load(OUT_PART + (first + s0 + s)[:, None] * VALUE_DIM + dv[None, :],
-                       mask=ok[:, None] & (dv[None, :] < VALUE_DIM), other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
-        weight_sum += w
-    total = tl.sum(weight_sum, 0)
+    m = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([MERGE_ROWS], tl.float32)
+    acc = tl.zeros([MERGE_ROWS, BLOCK_DV], tl.float32)
+    for s0 in range(0, num_splits, MERGE_SPLITS):
+        part = final_row[:, None] * num_splits + s0 + s[None, :]
+        ok = row_ok[:, None] & (s0 + s[None, :] < num_splits)
+        part_lse = tl.load(PART_LSE + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        part_out = tl.load(PART_OUT + part[:, :, None] * VALUE_DIM + dv[None, None, :],
+                           mask=ok[:, :, None] & (dv[None, None, :] < VALUE_DIM), other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(part_lse, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(part_lse - m_safe[:, None])
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part_out, 1)
+        total = total * alpha + tl.sum(w, 1)
+        m = m_new
     has_mass = total != 0.0
     safe_total = tl.where(has_mass, total, 1.0)
-    out = tl.where(has_mass, acc / safe_total, 0.0)
-    lse = tl.where(has_mass, m_safe + tl.log(safe_total), float("-inf"))
-    tl.store(OUT + row * VALUE_DIM + dv, out.to(OUT.dtype.element_ty), mask=dv < VALUE_DIM)
-    tl.store(LSE + row, lse)
+    out = tl.where(has_mass[:, None], acc / safe_total[:, None], 0.0)
+    lse = tl.where(has_mass, tl.where(m == float("-inf"), 0.0, m) + tl.log(safe_total), float("-inf"))
+    tl.store(OUT + final_row[:, None] * VALUE_DIM + dv[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & (dv[None, :] < VALUE_DIM))
+    tl.store(LSE + final_row, lse, mask=row_ok)
+
+
+@triton.jit
+def decode_combine_kernel(OUT_PART, LSE_PART, OUT, LSE, heads_k, group, len_q, num_splits,
+                          VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """Row program_id(1) of K/V head group program_id(0): its splits merged."""
+    pid = tl.program_id(0)
+    _merge_splits(OUT_PART, LSE_PART, OUT, LSE, pid // heads_k, pid % heads_k, heads_k,
+                  group, len_q, num_splits, tl.program_id(1), VALUE_DIM, BLOCK_DV, 1, MERGE_SPLITS)
+
+
+MERGE_ELEMENTS = 16384  # float32 partial outputs one merge load holds: 32 splits of 4 rows at Dv = 128
+_ARRIVALS: dict = {}
+
+
+def arrival_counters(count: int, device: torch.device) -> torch.Tensor:
+    """int32 zeros, one per split group, kept per (device, stream) and never freed (a captured
+    CUDA graph keeps their address); the kernel leaves them zero. Calls on one stream run in
+    order, so they never share counters while running."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    kept = _ARRIVALS.setdefault(key, [])
+    if not kept or kept[-1].numel() < count:
+        kept.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
+    return kept[-1]
+
+
+def splits_per_load(rows: int, num_splits: int, value_dim: int) -> int:
+    """Splits whose partial outputs for `rows` rows one merge load holds (a power of two)."""
+    budget = max(1, MERGE_ELEMENTS // (rows * padded_dim(value_dim)))
+    return min(next_power_of_two(num_splits), next_power_of_two(budget + 1) // 2)
 
 
 def max_useful_splits(capacity: int, config: DecodeConfig) -> int:
@@ -226,6 +280,11 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
     table = block_table if paged else seqlens
     table_strides = block_table.stride() if paged else (0, 0)
     grid = (batch * heads_k, num_splits, ceil_div(group * len_q, config.block_m))
+    merge = {}
+    if config.merge_in_split and num_splits > 1:
+        merge_rows = min(config.block_m, next_power_of_two(group * len_q))
+        merge = dict(FINAL_OUT=out, FINAL_LSE=lse, ARRIVALS=arrival_counters(grid[0] * grid[2], q.device),
+                     MERGE_ROWS=merge_rows, MERGE_SPLITS=splits_per_load(merge_rows, num_splits, value_dim))
     decode_split_kernel[grid](
         q, k_cache, v_cache, seqlens, table, part_out, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *table_strides,
@@ -236,11 +295,12 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
         BLOCK_DV=padded_dim(value_dim),
         PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **merge,
     )
-    if num_splits > 1:
-        decode_combine_kernel[(batch * heads_q * len_q,)](
-            part_out, part_lse, out, lse, num_splits,
-            VALUE_DIM=value_dim, BLOCK_S=16, BLOCK_DV=padded_dim(value_dim), num_warps=4,
+    if num_splits > 1 and not merge:
+        decode_combine_kernel[(batch * heads_k, group * len_q)](
+            part_out, part_lse, out, lse, heads_k, group, len_q, num_splits,
+            VALUE_DIM=value_dim, BLOCK_DV=padded_dim(value_dim),
+            MERGE_SPLITS=splits_per_load(1, num_splits, value_dim), num_warps=4,
         )
     return out, lse
