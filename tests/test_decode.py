@@ -117,6 +117,16 @@ def test_kernel_many_and_empty_splits(block_n, merge_in_split):
         assert all(int(counts.abs().sum()) == 0 for kept in decode_kernel._ARRIVALS.values() for counts in kept)
 
 
+def test_merge_in_split_over_several_row_blocks():
+    """G * Nq = 128 rows: two row blocks of 64, each merged by its own last split."""
+    from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward
+
+    q, k, v, lens = make_case(2, 8, 1, 16, 150, 16, torch.float32, seed=7, lengths=[150, 40])
+    config = DecodeConfig(block_m=64, block_n=16, num_warps=4, num_stages=2, merge_in_split=True)
+    out, lse = decode_forward(q, k, v, lens, None, 0.25, 5, config)
+    assert_matches_attention("128 rows, 5 splits", out, lse, q, k, v, lens)
+
+
 def test_merge_in_split_takes_several_loads(monkeypatch):
     """More splits than one merge load holds: the online merge across loads."""
     from exattn.backends.triton import decode_kernel
