@@ -15,9 +15,10 @@ exattn; SDPA and Flex have no paged layout, so `paged` rows compare with the con
 anchors. Timing: the calls of one configuration are captured in a CUDA graph, replayed
 back to back in windows of at least 1 ms, and the median replay time divided by the
 calls; small caches rotate among copies (>= 256 MB in all) so that each call reads from
-HBM, not L2 (as a decode step over many layers does). Configurations that do not fit in memory, fail, or run past the
-deadline give rows with tbps/ms null and a note. Goal (issue 5): >= 1.0x cuDNN at every
-shape; >= 4.5 TB/s at 128k; >= 3.5 TB/s at batch 1, 128k; paged >= 0.95x contiguous.
+HBM, not L2 (as a decode step over many layers does). Configurations that do not fit
+in memory, fail, or run past the deadline give rows with tbps/ms null and a note. Goal
+(issue 5): >= 1.0x cuDNN at every shape; >= 4.5 TB/s at 128k; >= 3.5 TB/s at batch 1,
+128k; paged >= 0.95x contiguous.
 """
 
 from __future__ import annotations

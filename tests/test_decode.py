@@ -103,7 +103,7 @@ def test_every_num_splits_agrees(backend):
 @pytest.mark.parametrize("block_n", (16, 32))
 def test_kernel_many_and_empty_splits(block_n, merge_in_split):
     """Small key blocks give many real splits; the short sequences leave most of them empty.
-    Merged in the split kernel, more splits than one merge load holds take several loads."""
+    G = 3 query heads a K/V head: merged in the split kernel, a padded row is masked."""
     from exattn.backends.triton import decode_kernel
     from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward
 
@@ -115,6 +115,19 @@ def test_kernel_many_and_empty_splits(block_n, merge_in_split):
         assert_matches_attention(f"splits={num_splits}", out, lse, q, k, v, lens)  # scale 0.25 = 16 ** -0.5
     if merge_in_split:  # the last split of each group reset its counter
         assert all(int(counts.abs().sum()) == 0 for kept in decode_kernel._ARRIVALS.values() for counts in kept)
+
+
+def test_arrival_counters_grow_without_freeing_and_start_at_zero():
+    """A larger launch gets a new, zeroed buffer; the old one stays referenced (a captured CUDA
+    graph may still hold its address)."""
+    from exattn.backends.triton import decode_kernel
+
+    device = torch.device("cpu")
+    small = decode_kernel.arrival_counters(10, device)
+    assert decode_kernel.arrival_counters(10, device) is small
+    large = decode_kernel.arrival_counters(small.numel() + 1, device)
+    assert large is not small and large.numel() > small.numel() and int(large.abs().sum()) == 0
+    assert any(kept is small for kept in decode_kernel._ARRIVALS[(device, 0)])
 
 
 def test_merge_in_split_over_several_row_blocks():
