@@ -337,6 +337,7 @@ def sweep(path, device, deadline, shapes, configs, split_spec="", table_mode="ro
         lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         problem = make_decode_problem(q, caches[0][0], caches[0][1], lens, caches[0][2], None, 0, False)
         default, planned = triton_plan(problem)
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         if shape_splits or split_spec not in ("", "plan"):
             split_counts = shape_splits or [int(x) for x in split_spec.split(",")]
         else:
@@ -345,7 +346,9 @@ def sweep(path, device, deadline, shapes, configs, split_spec="", table_mode="ro
             for splits in split_counts:
                 if time.time() > deadline:
                     break
-                calls = [lambda k=k, v=v, t=t, c=config, n=splits:
+                programs = batch * HEADS_K * math.ceil(HEADS_Q // HEADS_K / config.block_m)
+                merged = config._replace(merge_in_split=splits > 1 and programs * splits > num_sms)  # as plan_launch
+                calls = [lambda k=k, v=v, t=t, c=merged, n=splits:
                          decode_forward(q, k, v, lens, t, HEAD_DIM ** -0.5, n, c) for k, v, t in caches]
                 try:
                     ms, _ = time_calls(calls, device, budget_ms=30)
@@ -355,7 +358,7 @@ def sweep(path, device, deadline, shapes, configs, split_spec="", table_mode="ro
                 tbps = None if ms is None else kv_bytes(batch, context) / (ms * 1e-3) / 1e12
                 results.append(dict(batch=batch, context=context, page_size=page_size,
                                     table=table_mode if page_size else None,
-                                    config=config._asdict(), splits=splits, default=config == default
+                                    config=merged._asdict(), splits=splits, default=merged == default
                                     and splits == planned, ms=ms, tbps=tbps))
                 print(f"sweep B={batch} ctx={context} page={page_size} {tuple(config)} splits={splits}"
                       f"{'*' if splits == planned else ' '} "

@@ -257,12 +257,13 @@ def test_plan_splits_fills_the_gpu_only_when_needed():
 
 
 @pytest.mark.parametrize("batch,seqlen,splits", [
-    (1, 4096, 16), (1, 8192, 16), (1, 16384, 16),  # one program per SM: 2-4 key blocks a split beat 32 splits
-    (1, 32768, 32), (1, 131072, 32),  # two per SM once each split keeps 8 blocks
-    (2, 4096, 8), (2, 8192, 16), (4, 2048, 4), (4, 4096, 8), (8, 8192, 4),
+    (1, 2048, 16), (1, 4096, 16),  # one program per SM: 1-2 key blocks a split at two per SM
+    (1, 8192, 32), (1, 16384, 32), (1, 32768, 32), (1, 131072, 32),  # two per SM from 3 blocks a split
+    (2, 4096, 16), (2, 8192, 16), (4, 2048, 8), (4, 4096, 8), (8, 8192, 4),
 ])
 def test_plan_splits_under_filled_measured(batch, seqlen, splits):
-    """The best split counts of the H200 sweep (decode-split-rule-h200.json), Hk = 8."""
+    """The best split counts of the H200 sweeps, Hk = 8, contiguous and paged caches alike
+    (decode-plan-sweep-h200.json; 4k and 32k-128k from decode-split-rule-h200.json)."""
     assert plan_splits(batch, 8, seqlen, 132) == splits
 
 
@@ -273,11 +274,11 @@ def test_plan_splits_bounds(batch, seqlen):
     full = programs >= 132 * 2
     if full:  # waves of the resident programs; splits of at least 16 key blocks
         slots, most = 132 * 3, max(1, min(128, key_blocks // 16))
-    else:  # waves of one program per SM, two where the splits keep 8 blocks; splits of at least 4
-        slots = 132 * 2 if key_blocks // max(1, 132 * 2 // programs) >= 8 else 132
+    else:  # waves of one program per SM, two where the splits keep 3 blocks; splits of at least 4
+        slots = 132 * 2 if key_blocks // max(1, 132 * 2 // programs) >= 3 else 132
         most = max(1, min(128, key_blocks // 4, slots // programs))
     splits = plan_splits(batch, 8, seqlen, 132, block_n=64, saturating_per_sm=2, resident_per_sm=3,
-                         min_blocks_per_split=4, min_blocks_saturating=8, min_blocks_when_full=16, max_splits=128)
+                         min_blocks_per_split=4, min_blocks_saturating=3, min_blocks_when_full=16, max_splits=128)
     assert 1 <= splits <= most
     assert full or splits == 1 or programs * splits <= slots  # under-filled and split: no program waits
 
@@ -329,20 +330,8 @@ def test_plan_launch_keeps_the_plan_beyond_short_sequences(batch, seqlen):
     assert config.num_stages == 3 and planned == plan_splits(batch, 8, seqlen, 132, resident_per_sm=3)
 
 
-@pytest.mark.parametrize("batch,seqlen,contiguous,paged", [
-    (1, 4096, 16, 16), (1, 8192, 16, 32), (1, 16384, 16, 32), (1, 32768, 32, 32), (2, 4096, 8, 16), (4, 2048, 4, 8),
-])
-def test_plan_launch_gives_paged_caches_two_programs_per_sm_sooner(batch, seqlen, contiguous, paged):
-    """The best split counts of the H200 sweeps (decode-split-rule-h200.json, decode-paged-splits-h200.json)."""
-    from exattn.decode import plan_launch
-
-    h200 = dict(head_dim=128, value_dim=128, num_sms=132)
-    assert plan_launch(batch, 8, 4, max_seqlen=seqlen, **h200)[1] == contiguous
-    assert plan_launch(batch, 8, 4, max_seqlen=seqlen, **h200, paged=True)[1] == paged
-
-
 @pytest.mark.parametrize("batch,seqlen,merge", [
-    (1, 4096, False), (1, 16384, False), (1, 32768, True), (8, 4096, True), (8, 1024, True), (64, 8192, False),
+    (1, 2048, False), (1, 4096, False), (1, 16384, True), (8, 4096, True), (8, 1024, True), (64, 8192, False),
 ])
 def test_plan_launch_merges_in_the_split_kernel_past_one_program_per_sm(batch, seqlen, merge):
     """B = 1 with 16 splits is 128 programs on 132 SMs: the combine kernel; 32 splits, or B = 8's 4: merged

@@ -143,6 +143,23 @@ def test_bf16_offsets_beyond_int32():
     assert_matches_attention("int64 offsets", out, lse, q, k, v, lens, batches=[0, 15])
 
 
+@pytest.mark.parametrize("page_size", (16, 256))
+def test_bf16_page_offsets_beyond_int32(page_size):
+    """The sequences' pages lie past 2**31 elements of the pool (index x page stride needs 64 bits),
+    in reverse order; the pool's other pages are never written."""
+    q, k, v, lens = make_case(2, 32, 8, 1, 4096, 128, lengths=[4096, 3001])
+    slots = 4096 // page_size
+    num_pages = 2**31 // (8 * page_size * 128) + 2 * slots
+    table = (num_pages - 1 - torch.arange(2 * slots, dtype=torch.int32, device="cuda")).view(2, slots)
+    k_pages, v_pages = (torch.empty(num_pages, 8, page_size, 128, dtype=BF16, device="cuda") for _ in range(2))
+    for cache, pages in ((k, k_pages), (v, v_pages)):
+        pages[table.flatten().long()] = cache.view(2, 8, slots, page_size, 128).transpose(1, 2).flatten(0, 1)
+    out, lse = exattn.decode(q, k_pages, v_pages, cache_seqlens=lens, block_table=table, return_lse=True)
+    assert_matches_attention(f"paged {page_size} int64 offsets", out, lse, q, k, v, lens)
+    del k_pages, v_pages
+    torch.cuda.empty_cache()
+
+
 def test_cuda_graph_capture_with_validate_false():
     """validate=False never syncs, so decode can be captured; replays read the current lengths."""
     q, k, v, full = make_case(4, 32, 8, 1, 4096, 128, lengths=[4096] * 4)

@@ -77,24 +77,29 @@ def recorded_decode_launches(paged: bool, merge_in_split: bool = False) -> dict:
 
 
 def compile_for_sm90(kernel, args, kwargs):
-    """`kernel` (a triton.jit function) compiled for sm_90a with the launch's arguments."""
+    """`kernel` (a triton.jit function) compiled for sm_90a with the launch's arguments, specialized
+    as the JIT specializes them: pointers and integers divisible by 16 get `tt.divisibility` 16,
+    integers equal to 1 become constants."""
     kwargs = dict(kwargs)
-    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in kwargs}
     values = dict(zip(kernel.arg_names, args))
     values.update(kwargs)
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         value = values[name] if name in values else kernel.signature.parameters[name].default
-        if param.is_constexpr or value is None:
+        if param.is_constexpr or value is None or (type(value) is int and value == 1):
             signature[name] = "constexpr"
             constexprs[(i,)] = value
         elif isinstance(value, torch.Tensor):
             signature[name] = POINTER_TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, tuple):
             signature[name] = tuple("i64" for _ in value)
         else:
             signature[name] = mangle_type(value)
-    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+            if type(value) is int and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options=options)
 
 

@@ -185,12 +185,11 @@ def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, 
 # ---------------------------------------------------------------- planning
 
 # An under-filled launch takes a second program per SM once its splits keep this many key blocks
-# (`plan_splits`). Paged caches from fewer: the page index in each block's address chain leaves one
-# program's loads more latency to hide.
-# B = 1 at 8k with 32 splits: 16-key pages 1.93 TB/s against 1.82 with 16, 256-key pages 2.12
-# against 2.04; the contiguous cache 2.15 against 2.25 (decode-paged-splits-h200.json).
-MIN_BLOCKS_SATURATING = 8
-PAGED_MIN_BLOCKS_SATURATING = 3
+# (`plan_splits`). Split sweep, contiguous and paged, two passes (decode-plan-sweep-h200.json): B = 1
+# at 8k / 16k (3 / 7 blocks) 32 splits 2.40 / 3.01 TB/s against 16 splits 2.37 / 2.94, 16-key pages
+# 2.32 / 2.91 against 2.26 / 2.84; B = 4 at 2k (4 blocks) 8 splits 2.45 against 4 splits 2.38;
+# B = 1 at 4k (1 block) 16 splits.
+MIN_BLOCKS_SATURATING = 3
 
 
 def plan_splits(
@@ -223,9 +222,8 @@ def plan_splits(
     per SM, `plan_launch`) B = 64 is 0.97 waves unsplit, and 1 split read 4.54 /
     4.61 / 4.56-4.65 TB/s at 8k / 32k / 128k, 2-3 splits 4.42-4.45 / 4.57-4.60 /
     4.62-4.64 (decode-b64-2stage-sweep.json). Under-filled, Hk = 8 (decode-split-rule-h200.json):
-    B = 1 reads most with 16 splits (one program per SM) from 2k to 16k (4k: 1.56 TB/s
-    against 1.42 with 32, 1.37 with 24; 8k: 2.23 against 2.13 / 2.04) and with 32 at 32k
-    (3.31 against 3.26); B = 2 / 4 with 16 / 8 splits (two per SM) once those hold 8 blocks.
+    B = 1 reads most with 16 splits (one program per SM) at 2k-4k (4k: 1.56 TB/s
+    against 1.42 with 32, 1.37 with 24) and with 32 from 8k (MIN_BLOCKS_SATURATING).
     """
     for name, value in (("batch", batch), ("heads_k", heads_k), ("max_seqlen", max_seqlen),
                         ("num_sms", num_sms), ("row_blocks", row_blocks)):
@@ -301,9 +299,9 @@ SHORT_KEY_BLOCKS = 16
 
 @functools.lru_cache(maxsize=256)  # pure: a decode step's layers reuse one plan
 def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: int, max_seqlen: int,
-                num_sms: int, saturating_per_sm: int = 2, paged: bool = False) -> tuple[DecodeConfig, int]:
+                num_sms: int, saturating_per_sm: int = 2) -> tuple[DecodeConfig, int]:
     """The split kernel's configuration and split count for `rows` = G * Nq query rows
-    per K/V head of a contiguous or `paged` cache. Pure function. A launch that saturates
+    per K/V head. Pure function. A launch that saturates
     HBM unsplit (at least `saturating_per_sm` programs per SM) takes the configuration with more resident
     programs (`default_config(..., fills_gpu=True)`), and `plan_splits` counts its waves.
     A short sequence (at most SHORT_KEY_BLOCKS key blocks) on an under-filled GPU takes
@@ -325,8 +323,7 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
     fills_gpu = programs >= num_sms * saturating_per_sm
     config = default_config(rows, head_dim, value_dim, fills_gpu)
     splits = plan_splits(batch, heads_k, max_seqlen, num_sms, row_blocks=row_blocks, block_n=config.block_n,
-                         saturating_per_sm=saturating_per_sm, resident_per_sm=resident_per_sm(config),
-                         min_blocks_saturating=PAGED_MIN_BLOCKS_SATURATING if paged else MIN_BLOCKS_SATURATING)
+                         saturating_per_sm=saturating_per_sm, resident_per_sm=resident_per_sm(config))
     key_blocks = math.ceil(max_seqlen / config.block_n)
     if not (fills_gpu or splits == 1 or key_blocks > SHORT_KEY_BLOCKS):
         config = default_config(rows, head_dim, value_dim, fills_gpu=True)
@@ -341,7 +338,7 @@ def triton_plan(problem: DecodeProblem) -> tuple[DecodeConfig, int]:
     heads_k = problem.k_cache.shape[1]
     rows = (q.shape[1] // heads_k) * q.shape[2]
     config, planned = plan_launch(q.shape[0], heads_k, rows, q.shape[3], problem.v_cache.shape[3],
-                                  problem.capacity, num_sms, paged=problem.paged)
+                                  problem.capacity, num_sms)
     return config, problem.num_splits or planned
 
 

@@ -75,28 +75,70 @@ def default_config(rows: int, head_dim: int, value_dim: int, fills_gpu: bool = F
 
 def resident_per_sm(config: DecodeConfig) -> int:
     """Split programs one H200 SM holds at once. At D = 128, 3 stages take 72 KB of
-    shared memory (3 fit in 228 KB); 2 stages take 39 KB and 107 registers a thread
-    (4 fit in 64 K registers)."""
+    shared memory (3 fit in 228 KB); 2 stages take 39 KB, and 4 fit in 64 K registers
+    at 128 registers a thread (`register_cap`)."""
     return 4 if config.num_stages <= 2 else 3
+
+
+REGISTERS_PER_SM = 65536
+
+
+def register_cap(config: DecodeConfig) -> int | None:
+    """Registers a thread may take (Triton's `maxnreg`) where registers bound `resident_per_sm`
+    (2 stages; None where shared memory does). Uncapped, the 2-stage kernel took 142 and left
+    3 programs an SM: B = 64 read 0.81-0.83x (decode-address-ab-h200.json)."""
+    if config.num_stages > 2:
+        return None
+    per_thread = REGISTERS_PER_SM // (resident_per_sm(config) * 32 * config.num_warps)
+    return per_thread // 8 * 8
 
 
 @triton.jit
 def _key_base(n0, hi, b, BT, stride_tb, stride_tp,
               BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Batch index (contiguous) or page indices (paged) of keys n0 .. n0 + BLOCK_N, int64:
-    a scalar, or one per key when a block spans pages. The address of key n is
-    base * stride_batch_or_page + n * stride_seq (contiguous) or
-    base * stride_page + (n % PAGE_SIZE) * stride_seq (paged)."""
+    """Batch index (contiguous) or page indices (paged) of keys n0 .. n0 + BLOCK_N (n0 a multiple
+    of BLOCK_N), int32: a scalar, or one per key when a block spans pages."""
     if PAGED:
         row = BT + b.to(tl.int64) * stride_tb
         if PAGE_SIZE % BLOCK_N == 0:
-            base = tl.load(row + (n0 // PAGE_SIZE) * stride_tp, mask=n0 < hi, other=0).to(tl.int64)
+            base = tl.load(row + (n0 // PAGE_SIZE) * stride_tp, mask=n0 < hi, other=0)
         else:
-            offs = n0 + tl.arange(0, BLOCK_N)
-            base = tl.load(row + (offs // PAGE_SIZE) * stride_tp, mask=offs < hi, other=0).to(tl.int64)
+            keys = tl.arange(0, BLOCK_N)
+            if BLOCK_N % PAGE_SIZE == 0:  # the per-key part is the same for every block
+                slots = row + (n0 // PAGE_SIZE) * stride_tp + (keys // PAGE_SIZE) * stride_tp
+            else:
+                slots = row + ((n0 + keys) // PAGE_SIZE) * stride_tp
+            base = tl.load(slots, mask=n0 + keys < hi, other=0)
     else:
-        base = b.to(tl.int64)
+        base = b
     return base
+
+
+@triton.jit
+def _key_offsets(base, n0, stride_base, stride_n,
+                 BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """int64 element offsets of keys n0 .. n0 + BLOCK_N from their head's origin: base * stride_base
+    + n * stride_n (contiguous) or + (n % PAGE_SIZE) * stride_n (paged)."""
+    keys = tl.arange(0, BLOCK_N).to(tl.int64)
+    if not PAGED:  # scalar + the same per-key part for every block
+        return (base.to(tl.int64) * stride_base + tl.cast(n0, tl.int64) * stride_n) + keys * stride_n
+    start = _wide_product(base, stride_base)
+    if PAGE_SIZE % BLOCK_N == 0:
+        return (start + tl.cast(n0 % PAGE_SIZE, tl.int64) * stride_n) + keys * stride_n
+    if BLOCK_N % PAGE_SIZE == 0:
+        return start + (keys % PAGE_SIZE) * stride_n
+    return start + ((n0 + keys) % PAGE_SIZE) * stride_n
+
+
+@triton.jit
+def _wide_product(index, stride):
+    """index * stride in int64 for a non-negative int32 index: one 32 x 32 -> 64-bit multiply
+    when the stride fits 32 bits (a sign-extended product takes four)."""
+    stride = tl.zeros([], tl.int32) + stride  # a tensor also where the launch made a stride of 1 a constant
+    if tl.constexpr(stride.dtype.primitive_bitwidth) <= 32:
+        wide = index.to(tl.uint32, bitcast=True).to(tl.uint64) * stride.to(tl.uint32, bitcast=True).to(tl.uint64)
+        return wide.to(tl.int64, bitcast=True)
+    return index.to(tl.int64) * stride
 
 
 @triton.jit
@@ -144,9 +186,8 @@ def decode_split_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs < hi
-        within = (offs % PAGE_SIZE if PAGED else offs).to(tl.int64)
         next_base = _key_base(n0 + BLOCK_N, hi, b, BT, stride_tb, stride_tp, BLOCK_N, PAGED, PAGE_SIZE)
-        k_rows = base * stride_kb + within * stride_kn
+        k_rows = _key_offsets(base, n0, stride_kb, stride_kn, BLOCK_N, PAGED, PAGE_SIZE)
         k = tl.load(k_head + k_rows[:, None] + d[None, :] * stride_kd,
                     mask=key_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
@@ -156,7 +197,7 @@ def decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = base * stride_vb + within * stride_vn
+        v_rows = _key_offsets(base, n0, stride_vb, stride_vn, BLOCK_N, PAGED, PAGE_SIZE)
         v = tl.load(v_head + v_rows[:, None] + dv[None, :] * stride_vd,
                     mask=key_ok[:, None] & (dv[None, :] < VALUE_DIM), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
@@ -295,7 +336,7 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
         BLOCK_DV=padded_dim(value_dim),
         PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages, **merge,
+        num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=register_cap(config), **merge,
     )
     if num_splits > 1 and not merge:
         decode_combine_kernel[(batch * heads_k, group * len_q)](
