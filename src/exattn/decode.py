@@ -300,10 +300,10 @@ SHORT_KEY_BLOCKS = 16
 @functools.lru_cache(maxsize=256)  # pure: a decode step's layers reuse one plan
 def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: int, max_seqlen: int,
                 num_sms: int, saturating_per_sm: int = 2) -> tuple[DecodeConfig, int]:
-    """The split kernel's configuration and split count for `rows` = G * Nq query rows
-    per K/V head. Pure function. A launch that saturates
-    HBM unsplit (at least `saturating_per_sm` programs per SM) takes the configuration with more resident
-    programs (`default_config(..., fills_gpu=True)`), and `plan_splits` counts its waves.
+    """The split kernel's configuration and split count for `rows` = G * Nq query rows per K/V
+    head, for contiguous and paged caches alike. Pure function. A launch that saturates HBM
+    unsplit (at least `saturating_per_sm` programs per SM) takes the configuration with more
+    resident programs (`default_config(..., fills_gpu=True)`), and `plan_splits` counts its waves.
     A short sequence (at most SHORT_KEY_BLOCKS key blocks) on an under-filled GPU takes
     that configuration too, split as finely as one wave of its resident programs allows
     (down to one key block a split), where `plan_splits` would split it at all. Measured

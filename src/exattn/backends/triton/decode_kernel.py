@@ -86,7 +86,7 @@ REGISTERS_PER_SM = 65536
 def register_cap(config: DecodeConfig) -> int | None:
     """Registers a thread may take (Triton's `maxnreg`) where registers bound `resident_per_sm`
     (2 stages; None where shared memory does). Uncapped, the 2-stage kernel took 142 and left
-    3 programs an SM: B = 64 read 0.81-0.83x (decode-address-ab-h200.json)."""
+    3 programs an SM: B = 64 read 0.81-0.89x (decode-address-ab-h200.json)."""
     if config.num_stages > 2:
         return None
     per_thread = REGISTERS_PER_SM // (resident_per_sm(config) * 32 * config.num_warps)
@@ -117,8 +117,8 @@ def _key_base(n0, hi, b, BT, stride_tb, stride_tp,
 @triton.jit
 def _key_offsets(base, n0, stride_base, stride_n,
                  BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """int64 element offsets of keys n0 .. n0 + BLOCK_N from their head's origin: base * stride_base
-    + n * stride_n (contiguous) or + (n % PAGE_SIZE) * stride_n (paged)."""
+    """int64 element offsets of keys n0 .. n0 + BLOCK_N (n0 a multiple of BLOCK_N) from their head's
+    origin: base * stride_base + n * stride_n (contiguous) or + (n % PAGE_SIZE) * stride_n (paged)."""
     keys = tl.arange(0, BLOCK_N).to(tl.int64)
     if not PAGED:  # scalar + the same per-key part for every block
         return (base.to(tl.int64) * stride_base + tl.cast(n0, tl.int64) * stride_n) + keys * stride_n
