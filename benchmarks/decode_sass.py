@@ -34,7 +34,7 @@ from exattn.decode import plan_launch  # noqa: E402
 
 HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
 SHAPES = ((1, 4096), (8, 4096), (64, 4096), (8, 1024))  # 3 stages; 3 stages merged in split; 2 stages x 2
-LAYOUTS = (None, 16, 256)  # contiguous, page sizes
+LAYOUTS = (None, 16, 32, 256)  # contiguous, page sizes
 
 
 def load_kernel_module(path: str):

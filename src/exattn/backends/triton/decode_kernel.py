@@ -97,18 +97,21 @@ def register_cap(config: DecodeConfig) -> int | None:
 def _key_base(n0, hi, b, BT, stride_tb, stride_tp,
               BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Batch index (contiguous) or page indices (paged) of keys n0 .. n0 + BLOCK_N (n0 a multiple
-    of BLOCK_N), int32: a scalar, or one per key when a block spans pages."""
+    of BLOCK_N), int32: a scalar, or one per key when a block spans pages. Keys at or past hi
+    (their K/V loads are masked) read the slot of key hi - 1, a page of the sequence (hi >= 1):
+    no mask on these loads (masked, 32-key pages read 0.88-0.91x at B = 1 2k-4k)."""
     if PAGED:
         row = BT + b.to(tl.int64) * stride_tb
+        last_slot = (hi - 1) // PAGE_SIZE
         if PAGE_SIZE % BLOCK_N == 0:
-            base = tl.load(row + (n0 // PAGE_SIZE) * stride_tp, mask=n0 < hi, other=0)
+            base = tl.load(row + tl.minimum(n0 // PAGE_SIZE, last_slot) * stride_tp)
         else:
             keys = tl.arange(0, BLOCK_N)
             if BLOCK_N % PAGE_SIZE == 0:  # the per-key part is the same for every block
-                slots = row + (n0 // PAGE_SIZE) * stride_tp + (keys // PAGE_SIZE) * stride_tp
+                slots = n0 // PAGE_SIZE + keys // PAGE_SIZE
             else:
-                slots = row + ((n0 + keys) // PAGE_SIZE) * stride_tp
-            base = tl.load(slots, mask=n0 + keys < hi, other=0)
+                slots = (n0 + keys) // PAGE_SIZE
+            base = tl.load(row + tl.minimum(slots, last_slot) * stride_tp)
     else:
         base = b
     return base
