@@ -57,16 +57,20 @@ def recorded_launches(params: AttentionParams, mask, use_tma: bool) -> dict:
     return {kind: recorder.calls[0] for kind, recorder in recorders.items()}
 
 
-def recorded_decode_launches(paged: bool, merge_in_split: bool = False) -> dict:
+def recorded_decode_launches(paged: bool, merge_in_split: bool = False, page_stride: int | None = None) -> dict:
     """{kind: (args, kwargs)} of one 3-split decode step (2 new tokens, GQA 4:1, d = 96) on CPU
     tensors, contiguous or with 16-key pages, merged by the combine kernel or in the split kernel
-    (throwaway process, as `recorded_launches`)."""
+    (throwaway process, as `recorded_launches`). `page_stride`: paged caches of that page stride
+    (meta tensors, never read: a stride past int32, or 1, which the launch makes a constant)."""
     recorders = {kind: RecordedLaunch() for kind in DECODE_KERNELS}
     for kind, name in DECODE_KERNELS.items():
         setattr(decode_kernel, name, recorders[kind])
     q = torch.randn(2, 8, 2, 96, dtype=torch.bfloat16)
     seqlens = torch.tensor([300, 77], dtype=torch.int32)
-    if paged:
+    if page_stride is not None:
+        k = v = torch.empty_strided((40, 2, 16, 96), (page_stride, 16 * 96, 96, 1), dtype=torch.bfloat16, device="meta")
+        table = torch.randperm(40, dtype=torch.int32)[:38].reshape(2, 19)
+    elif paged:
         k, v = (torch.randn(40, 2, 16, 96, dtype=torch.bfloat16) for _ in range(2))
         table = torch.randperm(40, dtype=torch.int32)[:38].reshape(2, 19)
     else:
@@ -108,7 +112,9 @@ CASES = {
     "window-mask-dropout-pointers": (AttentionParams(scale=0.1, window=(40, 3), dropout_p=0.1, seed=5), True, False),
 }
 DECODE_CASES = {"decode-contiguous": (False, False), "decode-paged": (True, False),
-                "decode-paged-merge-in-split": (True, True)}
+                "decode-paged-merge-in-split": (True, True),
+                "decode-paged-page-stride-past-int32": (True, False, 2**31 + 2 * 16 * 96),
+                "decode-paged-page-stride-one": (True, False, 1)}
 
 
 def compile_case(case: str) -> dict:
