@@ -291,6 +291,28 @@ def test_plan_splits_bounds(batch, seqlen):
     assert all(tail_efficiency(s) < 0.95 * best for s in range(1, splits))  # and no more splits than that
 
 
+def test_register_cap_keeps_the_resident_programs_the_plan_counts():
+    """2 stages: capped so that `resident_per_sm` programs fit 64 K registers (128 a thread at 4 warps);
+    3 stages (shared memory bounds them): uncapped. The launch passes the cap as `maxnreg`."""
+    from exattn.backends.triton import decode_kernel as dk
+
+    two, three = (dk.default_config(4, 128, 128, fills_gpu=full) for full in (True, False))
+    assert dk.register_cap(two) == 128 and dk.register_cap(three) is None
+    assert dk.resident_per_sm(two) * dk.register_cap(two) * 32 * two.num_warps <= dk.REGISTERS_PER_SM
+
+    from test_triton_compile import RecordedLaunch
+
+    recorder, real = RecordedLaunch(), dk.decode_split_kernel
+    dk.decode_split_kernel = recorder
+    try:
+        q, k, v, lens = make_case(2, 8, 2, 1, 64, 16, torch.float16)
+        for config in (two, three):
+            dk.decode_forward(q, k, v, lens, None, 0.25, 1, config)
+    finally:
+        dk.decode_split_kernel = real
+    assert [kwargs["maxnreg"] for _, kwargs in recorder.calls] == [128, None]
+
+
 def test_plan_launch_keeps_more_programs_resident_on_a_full_gpu():
     from exattn.decode import plan_launch
 
