@@ -76,7 +76,8 @@ def resource_usage(kernel, tmp_path) -> dict[str, int]:
 
 # Other schedules than the shipped ones: (head dim, GluonConfig fields to replace).
 SCHEDULES = [(64, {"consumers": 2, "stages": 4}), (64, {"pingpong": True}), (128, {"pingpong": True}),
-             (64, {"consumers": 2, "stages": 4, "persistent": True}), (128, {"persistent": True})]
+             (64, {"consumers": 2, "stages": 4, "persistent": True}), (128, {"persistent": True}),
+             (64, {"one_key_loop": False}), (128, {"one_key_loop": True})]
 
 
 @pytest.mark.parametrize("dim,causal,dtype,changes", [

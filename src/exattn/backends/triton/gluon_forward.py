@@ -75,19 +75,25 @@ class GluonConfig(NamedTuple):
     runs under the others' matmuls; consumers: warpgroups of 64 query rows per program
     (3 leave 160 registers each: enough at d = 64, spills at d = 128); persistent: one
     program per SM strides over the work tiles (the next tile's Q and K/V load while the
-    consumers finish this one) instead of one program per tile, for full attention."""
+    consumers finish this one) instead of one program per tile, for full attention;
+    one_key_loop: one loop over a warpgroup's key tiles, the diagonal / ragged ones branching to the
+    mask, instead of a loop of full tiles and a loop of masked ones (each consumer warpgroup is its
+    own code copy, and the smaller code stalls less on instruction fetch)."""
 
     block_n: int
     stages: int
     pingpong: bool = False
     consumers: int = 2
     persistent: bool = False
+    one_key_loop: bool = False
 
 
 # d = 128 persistent: full attention 1.02-1.05x the one-program-per-tile grid, causal 0.86-0.95x
 # (benchmarks/results/gluon-forward-h200-persistent.json); d = 64's three warpgroups leave no
 # registers for it (two, persistent: 0.85-0.91x).
-CONFIGS = {64: GluonConfig(128, 2, consumers=3), 128: GluonConfig(128, 2, persistent=True)}
+# one_key_loop (benchmarks/results/gluon-forward-one-loop*-h200.json, two runs each, bf16, 4k-16k): d = 64
+# 1.01-1.04x (kernel 4952 instead of 6792 SASS instructions), d = 128 0.98-1.00x.
+CONFIGS = {64: GluonConfig(128, 2, consumers=3, one_key_loop=True), 128: GluonConfig(128, 2, persistent=True)}
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
@@ -100,6 +106,8 @@ def wgmma_layout(n):
 @gluon.jit
 def key_tiles(m0, len_q, len_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr = 128):
     """(hi, full): rows [m0, m0 + BLOCK_M) see key tiles [0, hi); tiles [0, full) need no mask.
+    Rows that do not exist see none: under full attention those past len_q (a ragged last tile's
+    padding), under causal masking those before row 0 (where `tile_of` puts a ragged tile's padding).
 
     The kernel form of `masks.band_bounds` for window (-1, -1) and (-1, 0).
     """
@@ -110,6 +118,9 @@ def key_tiles(m0, len_q, len_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, BLO
         last = gl.minimum(m0 + BLOCK_M, len_q) - 1
         hi = gl.cdiv(gl.maximum(gl.minimum(last + offset + 1, len_k), 0), BLOCK_N)
         full = gl.minimum(full, gl.maximum(m0 + offset + 1, 0) // BLOCK_N)
+    else:
+        hi = gl.where(m0 < len_q, hi, 0)
+        full = gl.minimum(full, hi)
     return hi, full
 
 
@@ -264,17 +275,28 @@ def plus(a, b):
 
 
 @gluon.jit
-def softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2, dtype: gl.constexpr,
-                 p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """Fold raw scores s of key tile j into (m_i, l_i); returns P (dot operand), new m, l, alpha."""
+def masked_scores(s, rows, j, len_q, len_k, CAUSAL: gl.constexpr):
+    """Scores s of key tile j, -inf where rows may not see the key (causal: bottom-right; else past len_k)."""
     BLOCK_N: gl.constexpr = s.shape[1]
-    if MASK:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        if CAUSAL:
-            last_col = gl.minimum(rows + (len_k - len_q), len_k - 1)
-            s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1), s, float("-inf"))
-        else:
-            s = gl.where(gl.expand_dims(cols < len_k, 0), s, float("-inf"))
+    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    if CAUSAL:
+        last_col = gl.minimum(rows + (len_k - len_q), len_k - 1)
+        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1), s, float("-inf"))
+    else:
+        s = gl.where(gl.expand_dims(cols < len_k, 0), s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2, dtype: gl.constexpr,
+                 p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, full_tiles=0):
+    """Fold raw scores s of key tile j into (m_i, l_i); returns P (dot operand), new m, l, alpha.
+    MASK: 0 never, 1 always, 2 from tile full_tiles on."""
+    if MASK == 1:
+        s = masked_scores(s, rows, j, len_q, len_k, CAUSAL)
+    if MASK == 2:
+        if j >= full_tiles:
+            s = masked_scores(s, rows, j, len_q, len_k, CAUSAL)
     m_new = gl.maximum(m_i, gl.reduce(s, 1, larger))
     if MASK:
         m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -289,7 +311,7 @@ def softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2, dtype: gl.const
 @gluon.jit
 def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, m_i, l_i, rows, j, r,
                    len_q, len_k, scale_log2, p_layout: gl.constexpr, MASK: gl.constexpr,
-                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, full_tiles=0):
     """Key tile j (ring position r): S_j = Q K_j^T and O += P_j-1 V_j-1 in flight together, softmax of
     S_j under the second.
 
@@ -306,7 +328,7 @@ def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, 
     s = warpgroup_mma_wait(1, deps=(s_tok,))
     release(k_empty, r, STAGES)
     p_new, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2,
-                                          v_smem.dtype, p_layout, MASK, CAUSAL)
+                                          v_smem.dtype, p_layout, MASK, CAUSAL, full_tiles)
     acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
     release(v_empty, r - 1, STAGES)
     alpha = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
@@ -316,7 +338,8 @@ def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, 
 
 @gluon.jit
 def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, m0, heads_q, ring0, len_q, len_k,
-                scale_log2, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                scale_log2, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                ONE_KEY_LOOP: gl.constexpr):
     """Rows m0 + 64*half + [0, 64) of (b, h) against the key tiles at ring positions ring0, ...: writes
     their lse, and their out into q's slot (TMA store, waited for). Returns the number of key tiles
     loaded for the work tile; under causal these rows may see fewer (`skip_tiles`)."""
@@ -348,15 +371,21 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
         s = warpgroup_mma_wait(0, deps=(s,))
         release(k_empty, ring0, STAGES)
         p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, 0, len_q, len_k, scale_log2,
-                                          v_smem.dtype, p_layout, True, CAUSAL)
-        for j in range(1, full_tiles):
-            s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
-                                                 j, ring0 + j, len_q, len_k, scale_log2, p_layout, False, CAUSAL,
-                                                 PINGPONG)
-        for j in range(gl.maximum(full_tiles, 1), own_tiles):
-            s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
-                                                 j, ring0 + j, len_q, len_k, scale_log2, p_layout, True, CAUSAL,
-                                                 PINGPONG)
+                                          v_smem.dtype, p_layout, 1, CAUSAL)
+        if ONE_KEY_LOOP:  # one code copy of the step: diagonal tiles branch to the mask
+            for j in range(1, own_tiles):
+                s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
+                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout, 2, CAUSAL,
+                                                     PINGPONG, full_tiles)
+        else:
+            for j in range(1, full_tiles):
+                s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
+                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout, 0, CAUSAL,
+                                                     PINGPONG)
+            for j in range(gl.maximum(full_tiles, 1), own_tiles):
+                s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
+                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout, 1, CAUSAL,
+                                                     PINGPONG)
         last = ring0 + own_tiles - 1
         wait_ready(v_ready, last, STAGES)
         acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
@@ -395,7 +424,7 @@ def skip_tiles(k_smem, bars, first, end):
 @gluon.jit
 def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads,
                       group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL: gl.constexpr,
-                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ONE_KEY_LOOP: gl.constexpr):
     """Consumer warpgroup `half`: rows 64*half + [0, 64) of each work tile of this program (PERSISTENT),
     or of tile program_id, Q from the buffer the producer filled (two, alternating); the buffer is
     handed back once the out is stored."""
@@ -406,17 +435,17 @@ def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, 
             i = (t - gl.program_id(0)) // gl.num_programs(0)
             ring0 += attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, t, i, ring0, heads_q,
                                  batch_heads, group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2,
-                                 CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)
+                                 CONSUMERS, CAUSAL, PINGPONG, PERSISTENT, ONE_KEY_LOOP)
     else:
         attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, gl.program_id(0), 0, 0, heads_q, batch_heads,
                     group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG,
-                    PERSISTENT)
+                    PERSISTENT, ONE_KEY_LOOP)
 
 
 @gluon.jit
 def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, t, i, ring0, heads_q, batch_heads,
                 group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS: gl.constexpr,
-                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ONE_KEY_LOOP: gl.constexpr):
     """Work tile t, the i-th of this program, its key tiles from ring position ring0: `attend_rows` with
     Q from buffer i % Q_BUFFERS, handed back after. Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
@@ -424,7 +453,8 @@ def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, t
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     wait_ready(q_ready, i, Q_BUFFERS)
     num_tiles = attend_rows(half, q_smem.index((i % Q_BUFFERS) * CONSUMERS + half), k_smem, v_smem, bars, o_desc, LSE,
-                            b, h, m0, heads_q, ring0, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG)
+                            b, h, m0, heads_q, ring0, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG,
+                            ONE_KEY_LOOP)
     release(q_empty, i, Q_BUFFERS)
     return num_tiles
 
@@ -434,7 +464,7 @@ def gluon_forward_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE, heads_q, batch_heads, group, len_q, len_k, num_row_tiles, heads_per_group,
     scale_log2,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, ONE_KEY_LOOP: gl.constexpr,
 ):
     """Grid: (programs,): one per work tile, or (PERSISTENT) fewer, each striding over the
     num_row_tiles * B * Hq work tiles (`tile_of`; heads_per_group: the causal order's group size).
@@ -476,10 +506,10 @@ def gluon_forward_kernel(
         gl.warp_specialize([
             (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
                                  num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
-                                 PERSISTENT)),
+                                 PERSISTENT, ONE_KEY_LOOP)),
             (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
                                  num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
-                                 PERSISTENT)),
+                                 PERSISTENT, ONE_KEY_LOOP)),
             (forward_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads,
                                       group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL,
                                       PERSISTENT)),
@@ -488,13 +518,13 @@ def gluon_forward_kernel(
         gl.warp_specialize([
             (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
                                  num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
-                                 PERSISTENT)),
+                                 PERSISTENT, ONE_KEY_LOOP)),
             (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
                                  num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
-                                 PERSISTENT)),
+                                 PERSISTENT, ONE_KEY_LOOP)),
             (compute_partition, (2, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
                                  num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
-                                 PERSISTENT)),
+                                 PERSISTENT, ONE_KEY_LOOP)),
             (forward_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads,
                                       group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL,
                                       PERSISTENT)),
@@ -646,4 +676,5 @@ def kernel_constants(dim: int, causal: bool) -> dict:
         raise ValueError(f"GluonConfig.consumers must be 2 or 3, got {cfg.consumers}")
     maxnreg, consumer_regs = register_split(cfg.consumers)
     return dict(STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong, PERSISTENT=persistent_grid(cfg, causal),
+                ONE_KEY_LOOP=cfg.one_key_loop,
                 CONSUMERS=cfg.consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
