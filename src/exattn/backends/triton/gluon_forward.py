@@ -95,6 +95,10 @@ class GluonConfig(NamedTuple):
 # issue rate (ncu-d64-causal-fwd-one-loop-h200.json); the kernel is 4952 SASS instructions, not 6792.
 CONFIGS = {64: GluonConfig(128, 2, consumers=3, one_key_loop=True), 128: GluonConfig(128, 2, persistent=True)}
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+# Which key tiles a step masks (`softmax_tile`): none, every one, those from the first not-full one on.
+UNMASKED: gl.constexpr = gl.constexpr(0)
+MASKED: gl.constexpr = gl.constexpr(1)
+MASKED_FROM_FULL: gl.constexpr = gl.constexpr(2)
 
 
 @gluon.constexpr_function
@@ -291,14 +295,14 @@ def masked_scores(s, rows, j, len_q, len_k, CAUSAL: gl.constexpr):
 def softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2, dtype: gl.constexpr,
                  p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, full_tiles=0):
     """Fold raw scores s of key tile j into (m_i, l_i); returns P (dot operand), new m, l, alpha.
-    MASK: 0 never, 1 always, 2 from tile full_tiles on."""
-    if MASK == 1:
+    MASK: UNMASKED, MASKED, or MASKED_FROM_FULL (masked if j >= full_tiles)."""
+    if MASK == MASKED:
         s = masked_scores(s, rows, j, len_q, len_k, CAUSAL)
-    if MASK == 2:
+    if MASK == MASKED_FROM_FULL:
         if j >= full_tiles:
             s = masked_scores(s, rows, j, len_q, len_k, CAUSAL)
     m_new = gl.maximum(m_i, gl.reduce(s, 1, larger))
-    if MASK:
+    if MASK != UNMASKED:
         m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
     m_scaled = m_new * scale_log2
     alpha = gl.exp2(m_i * scale_log2 - m_scaled)
@@ -371,21 +375,21 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
         s = warpgroup_mma_wait(0, deps=(s,))
         release(k_empty, ring0, STAGES)
         p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, 0, len_q, len_k, scale_log2,
-                                          v_smem.dtype, p_layout, 1, CAUSAL)
+                                          v_smem.dtype, p_layout, MASKED, CAUSAL)
         if ONE_KEY_LOOP:  # one code copy of the step: diagonal tiles branch to the mask
             for j in range(1, own_tiles):
                 s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
-                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout, 2, CAUSAL,
-                                                     PINGPONG, full_tiles)
+                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout,
+                                                     MASKED_FROM_FULL, CAUSAL, PINGPONG, full_tiles)
         else:
             for j in range(1, full_tiles):
                 s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
-                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout, 0, CAUSAL,
-                                                     PINGPONG)
+                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout, UNMASKED,
+                                                     CAUSAL, PINGPONG)
             for j in range(gl.maximum(full_tiles, 1), own_tiles):
                 s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
-                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout, 1, CAUSAL,
-                                                     PINGPONG)
+                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout, MASKED,
+                                                     CAUSAL, PINGPONG)
         last = ring0 + own_tiles - 1
         wait_ready(v_ready, last, STAGES)
         acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
