@@ -9,8 +9,9 @@ head dim 64 and 128; causal off/on. FLOPs = 4*B*H*N^2*D, halved for causal,
 FlexAttention (inputs with requires_grad, as in prefill.py). `--variants`
 adds Gluon rows with other tiles for one head dim: "dim:BLOCK_NxSTAGES", then
 "w3" for three consumer warpgroups (192 query rows per program), "pp" for the
-ping-pong schedule and "ps" for a persistent grid (one program per SM), e.g.
-"128:128x3,128:128x2pp,64:128x2w3pp,128:128x2ps".
+ping-pong schedule, "ps" for a persistent grid (one program per SM) and "ol" for one key-tile
+loop per warpgroup (`GluonConfig.one_key_loop`), e.g.
+"128:128x3,128:128x2pp,64:128x2w3pp,128:128x2ps,64:128x2w3ol".
 
     PYTHONPATH=src python3 benchmarks/gluon_forward.py --out $OUT/gluon-forward-h200.json
 """
@@ -54,21 +55,22 @@ def parse_benchmark_args(argv, description: str, variants_help: str, out_name: s
 
 
 def parse_args(argv=None):
-    return parse_benchmark_args(argv, __doc__, "'dim:BLOCK_NxSTAGES[w3][pp],...'", "gluon-forward-h200.json")
+    return parse_benchmark_args(argv, __doc__, "'dim:BLOCK_NxSTAGES[w3][pp][ps][ol],...'", "gluon-forward-h200.json")
 
 
 def variant(spec: str):
-    """'64:128x2w3pp' -> (64, GluonConfig(block_n=128, stages=2, pingpong=True, consumers=3)); a trailing
-    'ps' makes it persistent."""
+    """'64:128x2w3pp' -> (64, GluonConfig(block_n=128, stages=2, pingpong=True, consumers=3)); then 'ps'
+    makes it persistent and 'ol' gives it one key-tile loop."""
     import re
 
     from exattn.backends.triton.gluon_forward import GluonConfig
 
-    found = re.fullmatch(r"(\d+):(\d+)x(\d+)(?:w(\d+))?(pp)?(ps)?", spec)
+    found = re.fullmatch(r"(\d+):(\d+)x(\d+)(?:w(\d+))?(pp)?(ps)?(ol)?", spec)
     if found is None:
-        raise ValueError(f"--variants: {spec!r} is not 'dim:BLOCK_NxSTAGES[wN][pp][ps]'")
-    dim, block_n, stages, consumers, pingpong, persistent = found.groups()
-    return int(dim), GluonConfig(int(block_n), int(stages), bool(pingpong), int(consumers or 2), bool(persistent))
+        raise ValueError(f"--variants: {spec!r} is not 'dim:BLOCK_NxSTAGES[wN][pp][ps][ol]'")
+    dim, block_n, stages, consumers, pingpong, persistent, one_key_loop = found.groups()
+    return int(dim), GluonConfig(int(block_n), int(stages), bool(pingpong), int(consumers or 2), bool(persistent),
+                                 bool(one_key_loop))
 
 
 def impl_names(args) -> list[str]:
