@@ -279,6 +279,21 @@ def plus(a, b):
 
 
 @gluon.jit
+def paired_cast(x, dtype: gl.constexpr):
+    """float32 x in dtype (rounded to nearest even, as `x.to(dtype)`), two elements per cvt: the
+    one-element casts Triton emits come back from ptxas paired in swapped halves, one PRMT each."""
+    if dtype == gl.bfloat16:
+        y = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                      is_pure=True, pack=2)
+    elif dtype == gl.float16:
+        y = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                      is_pure=True, pack=2)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@gluon.jit
 def masked_scores(s, rows, j, len_q, len_k, CAUSAL: gl.constexpr):
     """Scores s of key tile j, -inf where rows may not see the key (causal: bottom-right; else past len_k)."""
     BLOCK_N: gl.constexpr = s.shape[1]
@@ -308,7 +323,7 @@ def softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2, dtype: gl.const
     alpha = gl.exp2(m_i * scale_log2 - m_scaled)
     p = gl.exp2(s * scale_log2 - gl.expand_dims(m_scaled, 1))
     l_i = l_i * alpha + gl.reduce(p, 1, plus)
-    p = gl.convert_layout(p.to(dtype), p_layout)
+    p = gl.convert_layout(paired_cast(p, dtype), p_layout)
     return p, m_new, l_i, alpha
 
 
@@ -402,7 +417,7 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
     gl.store(LSE + (b * heads_q + h).to(gl.int64) * len_q + rows, lse, mask=(rows >= 0) & (rows < len_q))
     inv_l = gl.convert_layout(gl.where(has_mass, 1.0 / safe_l, 0.0), gl.SliceLayout(1, o_layout))
     o_smem = q  # Q's slot is free once the last S wgmma is done
-    o_smem.store((acc * gl.expand_dims(inv_l, 1)).to(o_smem.dtype))
+    o_smem.store(paired_cast(acc * gl.expand_dims(inv_l, 1), o_smem.dtype))
     fence_async_shared()
     if m0 + half * ROWS >= 0:  # not a causal tile's padding block (`tile_of`)
         tma.async_copy_shared_to_global(o_desc, [b, h, m0 + half * ROWS, 0], as_box(o_smem, o_desc))
