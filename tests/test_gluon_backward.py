@@ -74,7 +74,7 @@ def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, 
     if kind == "dkdv":
         dq_sum = torch.empty(q.shape) if dq_mode != "kernel" else None
         semaphores = torch.empty(8, pad // cfg.dkdv_block_m, dtype=torch.int32) if dq_mode == "ordered" else None
-        args, _ = gb.dkdv_arguments(q, q, k, v, lse2, delta, dk, dv, pad, cfg, False, dq_sum, semaphores)
+        args, _ = gb.dkdv_arguments(q, q, k, v, lse2, delta, dk, dv, pad, cfg, False, dq_sum, semaphores, accumulate)
         stages = dict(STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots)
     else:
         args, _ = gb.dq_arguments(q, q, k, v, lse2, delta, dq, pad, cfg, False)
@@ -110,13 +110,36 @@ def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accu
 def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, config_id, tmp_path):
     kernel = compile_for_sm90(kind, dim, causal, dtype, accumulate, config_id)
     dq_mode = DQ_MODES.get(config_id, "kernel")
+    tma_grads = kind == "dkdv" and not accumulate  # 600-row sweeps: `grad_outputs` stores by TMA
+    check_compiled(kernel, kind, dim, causal, dq_mode, tma_grads, tmp_path)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config_id", ["shipped", "ordered"])
+def test_register_stored_grads_compile_without_spills(causal, config_id, tmp_path, monkeypatch):
+    """d = 128 from TMA_GRADS_MAX_ROWS query rows a sweep: dK and dV stored from registers."""
+    monkeypatch.setitem(gb.TMA_GRADS_MAX_ROWS, 128, 0)
+    kernel = compile_for_sm90("dkdv", 128, causal, torch.bfloat16, False, config_id)
+    check_compiled(kernel, "dkdv", 128, causal, DQ_MODES.get(config_id, "kernel"), False, tmp_path)
+
+
+def allowed_stack(kind: str, dim: int, causal: bool, dq_mode: str, tma_grads: bool) -> int:
+    """Bytes of stack ptxas may park scalars in. dK/dV, d = 128, causal: those of the diagonal mask,
+    reloaded on diagonal tiles only (8 bytes; 32 with the dQ staging of atomic and ordered dQ); with
+    their 3 Q/dO ring slots also one loop scalar (8 bytes non-causal). The TMA stores of dK and dV
+    park more, some of it in the d = 128 sweep (TMA_GRADS_MAX_ROWS: measured slower from 8k rows)."""
+    if kind != "dkdv":
+        return 0
+    if dim != 128:
+        return 8 if tma_grads and causal else 0
+    if tma_grads and dq_mode != "kernel":
+        return 56 if causal else 16
+    return 32 if dq_mode != "kernel" and causal else 8 if causal or dq_mode != "kernel" else 0
+
+
+def check_compiled(kernel, kind: str, dim: int, causal: bool, dq_mode: str, tma_grads: bool, tmp_path):
     usage = resource_usage(kernel, tmp_path)
-    # dK/dV, d = 128: ptxas parks scalars in bytes of stack. Causal: those of the diagonal mask, reloaded
-    # on diagonal tiles only (8 bytes; 32 with the dQ staging of atomic and ordered dQ); with their 3
-    # Q/dO ring slots also one loop scalar (8 bytes non-causal)
-    stack = 0
-    if (kind, dim) == ("dkdv", 128):
-        stack = 32 if dq_mode != "kernel" and causal else 8 if causal or dq_mode != "kernel" else 0
+    stack = allowed_stack(kind, dim, causal, dq_mode, tma_grads)
     assert usage["LOCAL"] == 0 and usage["STACK"] <= stack, f"register spills: {usage}"
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
@@ -136,10 +159,12 @@ def test_compiles_for_sm90_without_spills(kind, dim, causal, dtype, accumulate, 
         assert ptx.count("ld.relaxed.gpu.global.b32") == expected, "the writer reads its turn early"
         assert ptx.count("ld.global.acquire.gpu.b32") == expected, "and waits for it if it has not come"
         assert ptx.count("cp.async.bulk.wait_group 0;") == expected, "a turn passes once the reduction is written"
-        stores = re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared::cta\.bulk_group", ptx)
-        assert len(stores) == expected * len(reductions), "ordered: a tile's first contribution is stored"
     else:
         assert not atomics, f"atomics {atomics[:3]}: the backward must stay deterministic"
+        reductions, expected = [], 0
+    stores = re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared::cta\.bulk_group", ptx)
+    grad_stores = 4 if tma_grads else 0  # dK and dV of each consumer warpgroup
+    assert len(stores) == expected * len(reductions) + grad_stores, "ordered: a tile's first contribution is stored"
 
 
 def sass_lines(kernel, tmp_path) -> list[str]:
@@ -234,6 +259,24 @@ def test_tma_strides_fix_only_dims_of_size_one():
     assert gf.tma_strides(x) == list(x.stride())
     odd = torch.empty(1, 7, 1, 64).as_strided((1, 1, 7, 64), (3, 5, 64, 1))  # any stride on size-1 dims
     assert gf.tma_strides(odd) == [448, 448, 64, 1]
+
+
+def test_grads_stored_by_tma_only_into_our_own_tensors_for_short_sweeps():
+    dk, dv = (torch.empty(2, 2, 300, 128, dtype=torch.bfloat16) for _ in range(2))
+    by_tma = gb.grad_outputs(dk, dv, False, gb.TMA_GRADS_MAX_ROWS[128] - 1)
+    assert by_tma[:4] == (None,) * 4
+    assert [d.block_shape for d in by_tma[4:]] == [[1, 1, 64, 128]] * 2
+    padded = torch.empty(2, 300, 2, 136, dtype=torch.bfloat16)[..., :128].transpose(1, 2)  # 272-byte rows
+    unaligned = torch.empty(2, 2, 300, 129, dtype=torch.bfloat16)[..., 1:]
+    accumulators = [torch.zeros(2, 2, 300, 128) for _ in range(2)]
+    for grads, accumulate, rows in [((dk, dv), False, gb.TMA_GRADS_MAX_ROWS[128]), (accumulators, True, 64),
+                                    ((dk, unaligned), False, 64)]:
+        dk_out, dv_out, dk_strides, dv_strides, *descriptors = gb.grad_outputs(*grads, accumulate, rows)
+        assert (dk_out, dv_out) == tuple(grads) and descriptors == [None, None]
+        assert (dk_strides, dv_strides) == (grads[0].stride(), grads[1].stride())
+    assert gb.grad_outputs(padded, padded, False, 64)[4] is not None  # 16-byte aligned rows
+    d64 = [torch.empty(1, 1, 8, 64, dtype=torch.float16) for _ in range(2)]
+    assert gb.grad_outputs(*d64, False, 10**9)[4] is not None  # no limit at d = 64
 
 
 def ordered_everywhere(monkeypatch):
@@ -360,7 +403,9 @@ class FakeKernel:
         return run
 
 
-DKDV_DQ_DESC, DKDV_SEM, DQ_OUT = 17, 18, 6  # argument positions (`dkdv_arguments`, `dq_arguments`)
+# argument positions (`dkdv_arguments`, `dq_arguments`)
+DKDV_DQ_DESC, DKDV_SEM = (gb.gluon_dkdv_kernel.arg_names.index(name) for name in ("dq_desc", "SEM"))
+DQ_OUT = gb.gluon_dq_kernel.arg_names.index("DQ")
 
 
 @pytest.mark.parametrize("rotated", [True, False])
@@ -509,6 +554,24 @@ def test_ordered_dq_matches_oracle(dtype, d, causal, shape, monkeypatch):
     ordered_everywhere(monkeypatch)
     torch.manual_seed(hash((d, causal, 9) + shape) % 2**31)
     check(*gpu_inputs(*shape, d, dtype, layout="bnhd", with_dout=True), causal, path="ordered")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tma_grads", [False, True])
+@pytest.mark.parametrize("path", ["kernel", "ordered"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_both_grad_stores_match_oracle(d, causal, path, tma_grads, monkeypatch):
+    """dK and dV stored by TMA through the K and V tiles (rows past Nk clipped) or from registers."""
+    monkeypatch.setitem(gb.TMA_GRADS_MAX_ROWS, d, 10**9 if tma_grads else 0)
+    monkeypatch.setattr(gb, "ORDERED_DQ_MIN_LEN", 1 if path == "ordered" else 10**9)
+    stored = []
+    real = gb.grad_outputs
+    monkeypatch.setattr(gb, "grad_outputs", lambda *args: stored.append(real(*args)) or stored[-1])
+    torch.manual_seed(hash((d, causal, path, tma_grads)) % 2**31)
+    check(*gpu_inputs(2, 4, 2, 333, 270, d, torch.bfloat16, with_dout=True), causal, path=path)
+    assert [descriptors[4] is not None for descriptors in stored] == [tma_grads]
 
 
 @pytest.mark.gpu

@@ -85,6 +85,7 @@ from .gluon_forward import (
     load_partition,
     longest_first,
     multiprocessor_count,
+    paired_cast,
     program_id_again,
     release,
     tile_descriptor,
@@ -127,6 +128,12 @@ ORDERED_DQ_MIN_LEN = 2048
 # 8k 1.02x / 1.03x, 16k 1.03-1.04x / 1.03x; d = 64: 4k 0.94x, 16k level
 # (benchmarks/results/dq-unrotated-order-h200.json, dq-sweeps-h200.json).
 UNROTATED_MIN_LEN = {128: 8192}
+# dK and dV stored by TMA through the K and V tiles (`grad_outputs`) for sweeps shorter than these query
+# rows (Nq * Hq / Hk), per head dim, else from registers. The tile stores make ptxas spill in the d = 128
+# sweep: against register stores (bf16 / fp16, two rounds), d = 128 4k 1.03-1.06x (causal 1.00-1.02x),
+# 8k 0.96-0.98x (0.97-0.99x), 16k 0.95-0.97x (0.98-1.00x); d = 64 1.00-1.03x
+# (benchmarks/results/gluon-backward-tma-grads-h200.json).
+TMA_GRADS_MAX_ROWS = {128: 8192}
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -153,6 +160,15 @@ def store_rows(ptr, row_stride, col_stride, x, first_row, n_rows, ACCUMULATE: gl
     if ACCUMULATE:
         x = x + gl.load(ptr + offs, mask=inside, other=0.0)
     gl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=inside)
+
+
+@gluon.jit
+def store_tile(desc, smem, x, coord):
+    """x into smem, a [rows, D] tile no wgmma reads any more, then by TMA into desc's tensor at
+    coord (rows past its end clipped)."""
+    smem.store(paired_cast(x, smem.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, coord, as_box(smem, desc))
 
 
 # ---------------------------------------------------------------- dK / dV
@@ -341,7 +357,8 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
     are masked (causal diagonal = first - (Nk - Nq)). Returns (dk, dv, k, v).
 
     ATOMIC_DQ: also stage this step's scale * dS K for the writer warp, which adds it into the float32
-    dQ; dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale, dq_bars) (`gluon_dkdv_kernel`).
+    dQ; dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale, dq_bars, k_free)
+    (`gluon_dkdv_kernel`).
 
     k, v: this warpgroup's keys, as shared-memory tiles or (IN_REGISTERS) as register operands. Register
     operands pass through the waits of their wgmmas and come back for the next step: held only as
@@ -402,11 +419,12 @@ def resident_operand(smem, acc_layout: gl.constexpr, IN_REGISTERS: gl.constexpr)
 
 @gluon.jit
 def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars,
-                           DK, DV, dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
-                           scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
+                           DK, DV, dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
+                           len_q, len_k, group, scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
                            IN_REGISTERS: gl.constexpr, dq_parts, ATOMIC_DQ: gl.constexpr, ROTATE: gl.constexpr):
-    """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV (and with
-    ATOMIC_DQ stages their share of dQ, see `dkdv_step`)."""
+    """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV, by TMA
+    through its K and V tiles if dk_desc is not None (and with ATOMIC_DQ stages their share of dQ,
+    see `dkdv_step`)."""
     kv_bar = bars[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
@@ -429,17 +447,26 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     bhk, n0 = key_block_of(program_id_again(), num_col_tiles, heads_per_group, CAUSAL)
     first = n0 + half * ROWS
     heads_k = heads_q // group
-    b = (bhk // heads_k).to(gl.int64)
-    hk = (bhk % heads_k).to(gl.int64)
-    store_rows(DK + b * dk_strides[0] + hk * dk_strides[1], dk_strides[2], dk_strides[3], dk * scale, first,
-               len_k, ACCUMULATE)
-    store_rows(DV + b * dv_strides[0] + hk * dv_strides[1], dv_strides[2], dv_strides[3], dv, first,
-               len_k, ACCUMULATE)
+    b = bhk // heads_k
+    hk = bhk % heads_k
+    if dk_desc is None:
+        store_rows(DK + b.to(gl.int64) * dk_strides[0] + hk.to(gl.int64) * dk_strides[1], dk_strides[2],
+                   dk_strides[3], dk * scale, first, len_k, ACCUMULATE)
+        store_rows(DV + b.to(gl.int64) * dv_strides[0] + hk.to(gl.int64) * dv_strides[1], dv_strides[2],
+                   dv_strides[3], dv, first, len_k, ACCUMULATE)
+    else:  # through this warpgroup's K and V tiles
+        store_tile(dv_desc, v_smem.index(half), dv, [b, hk, first, 0])
+        if ATOMIC_DQ:  # the other warpgroup's dQ wgmmas read this K tile too
+            k_free = dq_parts[7]
+            mbarrier.arrive(k_free, count=1)
+            mbarrier.wait(k_free, 0)
+        store_tile(dk_desc, k_smem.index(half), dk * scale, [b, hk, first, 0])
+        tma.store_wait(0)
 
 
 @gluon.jit
 def gluon_dkdv_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides, dk_desc, dv_desc,
     heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM, scale_log2, scale,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
     DQ_SLOTS: gl.constexpr, ROTATE: gl.constexpr,
@@ -454,9 +481,11 @@ def gluon_dkdv_kernel(
     full attention, `rotated_sweeps`): the key blocks start their sweeps at spread query tiles.
 
     DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE; strides (batch,
-    head, row, col). lse_desc, delta_desc (`stats_descriptor`): contiguous (B * Hq, len_q_pad) float32
-    (len_q_pad: Nq rounded up to BLOCK_M, so a 1-D box never exceeds the tensor, B * Hq * len_q_pad
-    < 2**31): lse * log2(e) with +inf where lse = -inf and in the padding; rowsum(O * dO), 0 in the padding.
+    head, row, col). Or (not with ACCUMULATE) these None and dk_desc, dv_desc descriptors over
+    dK and dV with k_desc's boxes. lse_desc, delta_desc (`stats_descriptor`): contiguous
+    (B * Hq, len_q_pad) float32 (len_q_pad: Nq rounded up to BLOCK_M, so a 1-D box never exceeds the
+    tensor, B * Hq * len_q_pad < 2**31): lse * log2(e) with +inf where lse = -inf and in the padding;
+    rowsum(O * dO), 0 in the padding.
     """
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -490,23 +519,27 @@ def gluon_dkdv_kernel(
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         staged = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+        k_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(k_free, count=2)  # both warpgroups past their last dQ wgmma
         mbarrier.init(ds_ready.index(0), count=2)
         mbarrier.init(ds_ready.index(1), count=2)
         for i in gl.static_range(DQ_SLOTS):
             mbarrier.init(staged.index(i), count=2)  # one arrival per consumer warpgroup
             mbarrier.init(free.index(i), count=1)  # the writer's
-        dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale, (staged, free))
+        dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale, (staged, free), k_free)
 
     # Arguments written out in each tuple: a tuple bound to a name would turn the constexprs
     # into run-time values inside the partitions. Each partition derives its tiles from the
     # program id itself (values shared with the prologue would stay live across the sweep).
     gl.warp_specialize([
         (dkdv_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
-                                  dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
-                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ, ROTATE)),
+                                  dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
+                                  len_q, len_k, group, scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts,
+                                  ATOMIC_DQ, ROTATE)),
         (dkdv_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
-                                  dk_strides, dv_strides, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
-                                  scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts, ATOMIC_DQ, ROTATE)),
+                                  dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
+                                  len_q, len_k, group, scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts,
+                                  ATOMIC_DQ, ROTATE)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
                                len_q_pad, len_k, group, CAUSAL, ROTATE)),
@@ -736,9 +769,11 @@ def stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: GluonBackwardConfig, causal: bool,
-                   dq_sum: torch.Tensor | None = None, semaphores: torch.Tensor | None = None) -> tuple:
+                   dq_sum: torch.Tensor | None = None, semaphores: torch.Tensor | None = None,
+                   accumulate: bool = False) -> tuple:
     """Positional arguments of `gluon_dkdv_kernel` before scale_log2, and its grid; dq_sum: the
-    float32 dQ the kernel adds into (atomic_dq, or ordered with `semaphores`), or None."""
+    float32 dQ the kernel adds into (atomic_dq, or ordered with `semaphores`), or None; accumulate:
+    dk and dv are float32 accumulators to add into (`grad_outputs`)."""
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
     col_tiles = ceil_div(len_k, 2 * ROWS.value)
@@ -751,12 +786,22 @@ def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: Gluo
             order = max(1, schedule.resident_heads_per_group(order, batch * heads_k, col_tiles,
                                                              resident_programs(q.device)))
     dq_desc = None if dq_sum is None else tile_descriptor(dq_sum, cfg.dkdv_block_m, dim // 2)
+    grads = grad_outputs(dk, dv, accumulate, len_q * (heads_q // heads_k))
     args = (tile_descriptor(q, cfg.dkdv_block_m), tile_descriptor(dout, cfg.dkdv_block_m),
             tile_descriptor(k, ROWS.value), tile_descriptor(v, ROWS.value),
             stats_descriptor(lse2, cfg.dkdv_block_m), stats_descriptor(delta, cfg.dkdv_block_m),
-            dk, dv, dk.stride(), dv.stride(), heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles,
-            order, dq_desc, semaphores)
+            *grads, heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles, order, dq_desc, semaphores)
     return args, grid_of(col_tiles, batch * heads_k)
+
+
+def grad_outputs(dk: torch.Tensor, dv: torch.Tensor, accumulate: bool, sweep_rows: int) -> tuple:
+    """(DK, DV, dk_strides, dv_strides, dk_desc, dv_desc) of `gluon_dkdv_kernel` for key blocks that
+    sweep `sweep_rows` query rows: TMA descriptors with K's boxes, or pointers and strides when
+    accumulating, when the strides do not allow TMA or from TMA_GRADS_MAX_ROWS; the others None."""
+    too_long = sweep_rows >= TMA_GRADS_MAX_ROWS.get(dk.shape[-1], float("inf"))
+    if accumulate or too_long or not tma_compatible(dk, dv):
+        return dk, dv, dk.stride(), dv.stride(), None, None
+    return None, None, None, None, tile_descriptor(dk, ROWS.value), tile_descriptor(dv, ROWS.value)
 
 
 def resident_programs(device: torch.device) -> int:
@@ -863,7 +908,8 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     lse2, delta = row_stats(lse, out, dout, len_q_pad, semaphores)
     scalars = (params.scale * LOG2E, params.scale)
     options = kernel_options(cfg, causal, accumulate_into is not None)
-    args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores)
+    args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores,
+                                accumulate_into is not None)
     gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots,
                             ROTATE=rotated_sweeps(path, causal, len_q, dim), **options)
     if not dq_in_dkdv:
