@@ -95,6 +95,9 @@ def test_compiles_for_sm90_without_spills(dim, causal, dtype, changes, tmp_path,
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, "P V no longer overlaps the softmax"
     assert "cp.async.bulk.tensor.4d" in ptx, "no TMA loads of 4-D boxes"
     assert "tensormap.replace" not in ptx, "descriptors are made on the host, not per program"
+    short = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    assert f"cvt.rn.{short}x2.f32" in ptx and f"cvt.rn.{short}.f32" not in ptx, \
+        "P and O converted one element at a time (ptxas re-pairs those with a PRMT each: `paired_cast`)"
     ttgir = kernel.asm["ttgir"]
     assert ttgir.count("ttg.warp_specialize(") == 1
     assert not re.search(r"%arg\d+: i1 ", ttgir), "a constexpr reached the partitions as a run-time flag"
