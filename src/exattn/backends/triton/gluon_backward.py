@@ -131,7 +131,7 @@ UNROTATED_MIN_LEN = {128: 8192}
 # dK and dV stored by TMA through the K and V tiles (`grad_outputs`) for sweeps shorter than these query
 # rows (Nq * Hq / Hk), per head dim, else from registers. The tile stores make ptxas spill in the d = 128
 # sweep: against register stores (bf16 / fp16, two rounds), d = 128 4k 1.03-1.06x (causal 1.00-1.02x),
-# 8k 0.96-0.98x (0.97-0.99x), 16k 0.94-0.97x (0.98-1.00x); d = 64 0.99-1.03x, 18 of 24 cells above 1
+# 8k 0.96-0.98x (0.97-0.99x), 16k 0.94-0.97x (0.98-1.00x); d = 64 0.99-1.03x, 19 of 24 cells above 1
 # (benchmarks/results/gluon-backward-tma-grads-h200.json).
 TMA_GRADS_MAX_ROWS = {128: 8192}
 
