@@ -75,7 +75,7 @@ def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, 
         dq_sum = torch.empty(q.shape) if dq_mode != "kernel" else None
         semaphores = torch.empty(8, pad // cfg.dkdv_block_m, dtype=torch.int32) if dq_mode == "ordered" else None
         args, _ = gb.dkdv_arguments(q, q, k, v, lse2, delta, dk, dv, pad, cfg, False, dq_sum, semaphores, accumulate)
-        stages = dict(STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots)
+        stages = dict(STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots, ALTERNATE_DQ=cfg.alternate_dq)
     else:
         args, _ = gb.dq_arguments(q, q, k, v, lse2, delta, dq, pad, cfg, False)
         stages = dict(STAGES=cfg.dq_stages)
@@ -200,6 +200,18 @@ def wgmma_loops(lines: list[str]) -> list[tuple[int, int]]:
             if any("HGMMA" in b for b in body) and not any(re.match(r"LDSM|EXIT|BRX|USETMAXREG", b) for b in body):
                 loops.append((labels[target.group(1)], end))
     return loops
+
+
+@pytest.mark.parametrize("dim", sorted(gb.ATOMIC_CONFIGS))
+def test_dq_tiles_come_whole_or_in_column_halves_as_configured(dim, tmp_path):
+    """alternate_dq: a step's dS K is one [64, D] wgmma chain of one warpgroup (dS^T read from shared
+    memory once), else each warpgroup's [64, D/2] half (the only wgmmas with a transposed A)."""
+    kernel = compile_for_sm90("dkdv", dim, False, torch.bfloat16, False, "ordered")
+    dq_wgmmas = [line for line in sass_lines(kernel, tmp_path) if line.startswith("HGMMA") and "tnspA" in line]
+    cols = dim if gb.ATOMIC_CONFIGS[dim].alternate_dq else dim // 2
+    per_warpgroup = 8  # K = 128 keys in k16 steps, in each consumer partition's code
+    assert len(dq_wgmmas) == 2 * per_warpgroup, dq_wgmmas
+    assert all(line.startswith(f"HGMMA.64x{cols}x16.") for line in dq_wgmmas), dq_wgmmas
 
 
 @pytest.mark.parametrize("causal", [False, True])

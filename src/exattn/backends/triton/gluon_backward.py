@@ -101,7 +101,10 @@ class GluonBackwardConfig(NamedTuple):
     dq_block_n: keys per step of the dQ sweep, with `dq_stages` K/V slots; in_registers:
     the resident tiles (K, V; Q, dO) are register operands of the S and dP wgmmas;
     dq_slots (atomic and ordered dQ): staged float32 dQ tiles between the consumers and
-    the writer warp, so the consumers run that many steps ahead of a turn that has not come."""
+    the writer warp, so the consumers run that many steps ahead of a turn that has not come;
+    alternate_dq (atomic and ordered dQ): each step's whole dQ tile comes from one consumer
+    warpgroup, the two taking turns, instead of a column half from each (dS is then read from
+    shared memory once a step, not twice)."""
 
     dkdv_block_m: int
     dkdv_stages: int
@@ -109,6 +112,7 @@ class GluonBackwardConfig(NamedTuple):
     dq_stages: int
     in_registers: bool = False
     dq_slots: int = 2
+    alternate_dq: bool = False
 
 
 # d = 64: 128-key dQ steps with register operands, 1.06-1.17x the 64x4/64x4 shared-memory tiles and the
@@ -117,7 +121,10 @@ CONFIGS = {64: GluonBackwardConfig(64, 4, 128, 2, in_registers=True), 128: Gluon
 # atomic and ordered dQ (added by TMA reductions from the dK/dV kernel): the dS and float32 dQ tiles
 # take the shared memory of ring slots. d = 128: 3 Q/dO slots and 1 dQ slot read 1.03-1.10x 2 and 2
 # (ordered, bf16, N = 4k / 16k; 4 dQ slots at d = 64: 0.98-1.01x 2; benchmarks/results/dq-slots-h200.json).
-ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True),
+# d = 64, whole dQ tiles by turns against column halves (bf16 / fp16, N = 4k-16k, two rounds): ordered
+# 0.99-1.04x (all but one cell above 1), atomic 0.99-1.03x (benchmarks/results/
+# gluon-backward-alternate-dq-h200.json); at d = 128 the whole [64, 128] float32 tile spills (80-96 B).
+ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True, alternate_dq=True),
                   128: GluonBackwardConfig(64, 3, 0, 0, dq_slots=1)}
 # Query lengths from which the deterministic backward adds dQ in order in the dK/dV kernel (where it
 # fits): with the writer warp 1.02-1.09x the dK/dV + dQ kernel pair at d = 64 and 128, N = 4k and 16k,
@@ -271,28 +278,41 @@ def share_ds(ds, ds_smem, ds_ready, j, HALF: gl.constexpr):
 
 
 @gluon.jit
-def issue_dq(ds_smem, ds_ready, k_smem, j, HALF: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Once both warpgroups shared step j's dS^T: this warpgroup's columns of dS K over all 128 keys
-    (two async wgmmas; returns their token)."""
-    COLS: gl.constexpr = k_smem.shape[2] // 2
+def issue_dq(ds_smem, ds_ready, k_smem, j, FIRST_COL: gl.constexpr, COLS: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Once both warpgroups shared step j's dS^T: columns [FIRST_COL, FIRST_COL + COLS) of dS K over
+    all 128 keys (two async wgmmas; returns their token)."""
     acc_layout: gl.constexpr = wgmma_layout(COLS)
     wait_ready(ds_ready, j, 2)
     buffer = (j % 2) * 2
-    tok = warpgroup_mma(ds_smem.index(buffer).permute((1, 0)), k_smem.index(0).slice(HALF * COLS, COLS, dim=1),
+    tok = warpgroup_mma(ds_smem.index(buffer).permute((1, 0)), k_smem.index(0).slice(FIRST_COL, COLS, dim=1),
                         gl.zeros([BLOCK_M, COLS], gl.float32, acc_layout), use_acc=False, is_async=True)
-    return warpgroup_mma(ds_smem.index(buffer + 1).permute((1, 0)), k_smem.index(1).slice(HALF * COLS, COLS, dim=1),
+    return warpgroup_mma(ds_smem.index(buffer + 1).permute((1, 0)), k_smem.index(1).slice(FIRST_COL, COLS, dim=1),
                          tok, is_async=True)
 
 
 @gluon.jit
-def stage_dq(dq, dq_smem, dq_bars, j, HALF: gl.constexpr):
-    """This warpgroup's [BLOCK_M, D/2] dQ tile of step j into its half of staging slot j % SLOTS, once
-    the writer warp has read what the slot held, then signal it (`dq_writer_partition`)."""
+def column_halves(x):
+    """[R, C] -> its columns [0, C/2) and [C/2, C), each [R, C/2]."""
+    R: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    return gl.split(x.reshape([R, 2, C // 2]).permute((0, 2, 1)))
+
+
+@gluon.jit
+def stage_dq(dq, dq_smem, dq_bars, j, HALF: gl.constexpr, WHOLE: gl.constexpr):
+    """This warpgroup's [BLOCK_M, D/2] dQ tile of step j (WHOLE: both halves, [BLOCK_M, D]) into
+    staging slot j % SLOTS, once the writer warp has read what the slot held, then signal it
+    (`dq_writer_partition`)."""
     staged, free = dq_bars
     SLOTS: gl.constexpr = staged.shape[0]
     slot = j % SLOTS
     mbarrier.wait(free.index(slot), ((j // SLOTS) & 1) ^ 1)
-    dq_smem.index(slot * 2 + HALF).store(dq)
+    if WHOLE:
+        left, right = column_halves(dq)
+        dq_smem.index(slot * 2).store(left)
+        dq_smem.index(slot * 2 + 1).store(right)
+    else:
+        dq_smem.index(slot * 2 + HALF).store(dq)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(staged.index(slot), count=1)
@@ -312,7 +332,7 @@ def write_dq_half(dq_desc, coord, half_tile, first_write):
 def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
                         BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                         ROTATE: gl.constexpr):
-    """Writer warp (ATOMIC_DQ; idle otherwise): adds each staged dQ tile, both warpgroups' halves,
+    """Writer warp (ATOMIC_DQ; idle otherwise): adds each staged dQ tile, both its column halves,
     into the float32 dQ by TMA reductions and frees its slot once they have read it. With SEM, one
     tile after another in the order of `dq_rank` (`dq_order.py`)."""
     if ATOMIC_DQ:
@@ -352,13 +372,13 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
 @gluon.jit
 def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagonal, t, j, full, scale_log2,
               s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr, IN_REGISTERS: gl.constexpr,
-              dq_parts, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+              dq_parts, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr, ALTERNATE_DQ: gl.constexpr):
     """One query tile t (ring slot of step j) into keys [first, first + 64) of (dk, dv); tiles t < full
     are masked (causal diagonal = first - (Nk - Nq)). Returns (dk, dv, k, v).
 
     ATOMIC_DQ: also stage this step's scale * dS K for the writer warp, which adds it into the float32
-    dQ; dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale, dq_bars, k_free)
-    (`gluon_dkdv_kernel`).
+    dQ: this warpgroup's column half, or with ALTERNATE_DQ the whole tile on its turns (j % 2 == HALF);
+    dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale, dq_bars, k_free) (`gluon_dkdv_kernel`).
 
     k, v: this warpgroup's keys, as shared-memory tiles or (IN_REGISTERS) as register operands. Register
     operands pass through the waits of their wgmmas and come back for the next step: held only as
@@ -368,6 +388,7 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     ROWS_: gl.constexpr = k.shape[0]
+    D: gl.constexpr = q_smem.shape[2]
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     slot = j % STAGES
     q = q_smem.index(slot)
@@ -397,10 +418,22 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
     dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
     if ATOMIC_DQ:  # dS^T goes to shared memory while dV and dK are on the tensor cores
         share_ds(ds, dq_parts[0], dq_parts[1], j, HALF)
-        dq_tok = issue_dq(dq_parts[0], dq_parts[1], dq_parts[2], j, HALF, BLOCK_M)
-        dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, dv_tok, dk_tok, p_op, ds_op))
-        release(empty, j, STAGES)
-        stage_dq(dq * dq_parts[5], dq_parts[3], dq_parts[6], j, HALF)
+        if ALTERNATE_DQ:  # the whole tile by one warpgroup, the two taking turns. Only the owner waits
+            # for the other's dS^T; the other overwrites this buffer at step j + 2 only after its own
+            # wait as owner at step j + 1, which the owner's arrival there (after this dQ) releases.
+            if j % 2 == HALF:
+                dq_tok = issue_dq(dq_parts[0], dq_parts[1], dq_parts[2], j, 0, D, BLOCK_M)
+                dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, dv_tok, dk_tok, p_op, ds_op))
+                release(empty, j, STAGES)
+                stage_dq(dq * dq_parts[5], dq_parts[3], dq_parts[6], j, HALF, True)
+            else:
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+                release(empty, j, STAGES)
+        else:
+            dq_tok = issue_dq(dq_parts[0], dq_parts[1], dq_parts[2], j, HALF * (D // 2), D // 2, BLOCK_M)
+            dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, dv_tok, dk_tok, p_op, ds_op))
+            release(empty, j, STAGES)
+            stage_dq(dq * dq_parts[5], dq_parts[3], dq_parts[6], j, HALF, False)
     else:
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         release(empty, j, STAGES)
@@ -421,7 +454,8 @@ def resident_operand(smem, acc_layout: gl.constexpr, IN_REGISTERS: gl.constexpr)
 def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars,
                            DK, DV, dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
                            len_q, len_k, group, scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
-                           IN_REGISTERS: gl.constexpr, dq_parts, ATOMIC_DQ: gl.constexpr, ROTATE: gl.constexpr):
+                           IN_REGISTERS: gl.constexpr, dq_parts, ATOMIC_DQ: gl.constexpr, ROTATE: gl.constexpr,
+                           ALTERNATE_DQ: gl.constexpr):
     """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV, by TMA
     through its K and V tiles if dk_desc is not None (and with ATOMIC_DQ stages their share of dQ,
     see `dkdv_step`)."""
@@ -443,7 +477,7 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
         t = sweep_tile(j, lo, tiles, start, ROTATE)
         dk, dv, k, v = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv,
                                  first - (len_k - len_q), t, j, full, scale_log2, s_layout, op_layout, CAUSAL,
-                                 IN_REGISTERS, dq_parts, half, ATOMIC_DQ)
+                                 IN_REGISTERS, dq_parts, half, ATOMIC_DQ, ALTERNATE_DQ)
     bhk, n0 = key_block_of(program_id_again(), num_col_tiles, heads_per_group, CAUSAL)
     first = n0 + half * ROWS
     heads_k = heads_q // group
@@ -469,7 +503,7 @@ def gluon_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides, dk_desc, dv_desc,
     heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM, scale_log2, scale,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
-    DQ_SLOTS: gl.constexpr, ROTATE: gl.constexpr,
+    DQ_SLOTS: gl.constexpr, ROTATE: gl.constexpr, ALTERNATE_DQ: gl.constexpr,
 ):
     """Grid: (num_col_tiles * B * Hk,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
     [1, 1, BLOCK_M, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, 64, D] boxes; dq_desc: None, or
@@ -479,6 +513,7 @@ def gluon_dkdv_kernel(
     group, or of a full-attention head, must fit on the GPU at once: `ordered_dq_fits`), the first
     stored: dq_desc's tensor need not be zeroed (only rows no key block reaches). ROTATE (ordered,
     full attention, `rotated_sweeps`): the key blocks start their sweeps at spread query tiles.
+    ALTERNATE_DQ: `GluonBackwardConfig.alternate_dq`.
 
     DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE; strides (batch,
     head, row, col). Or (not with ACCUMULATE) these None and dk_desc, dv_desc descriptors over
@@ -524,7 +559,7 @@ def gluon_dkdv_kernel(
         mbarrier.init(ds_ready.index(0), count=2)
         mbarrier.init(ds_ready.index(1), count=2)
         for i in gl.static_range(DQ_SLOTS):
-            mbarrier.init(staged.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(staged.index(i), count=1 if ALTERNATE_DQ else 2)  # per warpgroup that stages
             mbarrier.init(free.index(i), count=1)  # the writer's
         dq_parts = (ds_smem, ds_ready, k_smem, dq_smem, dq_desc, scale, (staged, free), k_free)
 
@@ -535,11 +570,11 @@ def gluon_dkdv_kernel(
         (dkdv_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
                                   len_q, len_k, group, scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts,
-                                  ATOMIC_DQ, ROTATE)),
+                                  ATOMIC_DQ, ROTATE, ALTERNATE_DQ)),
         (dkdv_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
                                   len_q, len_k, group, scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts,
-                                  ATOMIC_DQ, ROTATE)),
+                                  ATOMIC_DQ, ROTATE, ALTERNATE_DQ)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
                                len_q_pad, len_k, group, CAUSAL, ROTATE)),
@@ -911,7 +946,7 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores,
                                 accumulate_into is not None)
     gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots,
-                            ROTATE=rotated_sweeps(path, causal, len_q, dim), **options)
+                            ALTERNATE_DQ=cfg.alternate_dq, ROTATE=rotated_sweeps(path, causal, len_q, dim), **options)
     if not dq_in_dkdv:
         args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg, options["CAUSAL"])
         gluon_dq_kernel[grid](*args, *scalars, STAGES=cfg.dq_stages, **options)

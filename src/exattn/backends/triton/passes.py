@@ -43,14 +43,13 @@ class TritonSettings:
 
     atomic_dq: the dK/dV kernel also accumulates dQ in float32 by atomics and
         the dQ kernel is skipped: 5 matmuls per tile instead of 7, but gradients
-        are no longer bitwise reproducible. Where the Gluon backward serves head
-        dims 64 (Nq >= 4096) and 128 (Nq >= 2048) it adds dQ tiles by TMA
-        reductions (0.92-1.02x cuDNN on the H200, 1.04-1.14x the deterministic
-        kernels); elsewhere the Triton kernels use element atomics, slower than
-        their deterministic default (0.33-0.69x cuDNN at 1k-2k): set it for long
-        sequences only (docs/triton.md, docs/performance.md).
+        are no longer bitwise reproducible. Where the Gluon backward serves (head
+        dims 64 and 128, Nq >= 1024) it adds dQ tiles by TMA reductions
+        (0.93-1.12x cuDNN at 1k-2k and 1.02-1.09x from 4k on the H200); elsewhere
+        the Triton kernels use element atomics, slower than their deterministic
+        default (docs/triton.md, docs/performance.md).
         Env: EXATTN_TRITON_ATOMIC_DQ=1.
-    ordered_dq: in the deterministic Gluon backward (d = 64 and 128) from Nq = 4096, the
+    ordered_dq: in the deterministic Gluon backward (d = 64 and 128) from Nq = 2048, the
         dK/dV kernel adds dQ itself by TMA reductions (a writer warp), each dQ
         tile's contributions in a fixed order (a semaphore per tile), where one
         head's key blocks fit on the GPU at once and the lengths allow
