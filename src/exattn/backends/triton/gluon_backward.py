@@ -128,8 +128,10 @@ ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True, altern
                   128: GluonBackwardConfig(64, 3, 0, 0, dq_slots=1)}
 # Query lengths from which the deterministic backward adds dQ in order in the dK/dV kernel (where it
 # fits): with the writer warp 1.02-1.09x the dK/dV + dQ kernel pair at d = 64 and 128, N = 4k and 16k,
-# and within 3% of atomic dQ (benchmarks/results/ordered-dq-h200.json). Shorter lengths: not compared.
-ORDERED_DQ_MIN_LEN = 2048
+# and within 3% of atomic dQ (benchmarks/results/ordered-dq-h200.json); bf16 at 512 and 1k (two rounds,
+# gluon-backward-ordered-short-h200.json) 1.09-1.20x, every cell but one round of d = 128 causal 512
+# (each path read 0.65-0.71x cuDNN in one of its two rounds there). Shorter lengths: not compared.
+ORDERED_DQ_MIN_LEN = 512
 # Ordered dQ under full attention without the rotation (`rotated_sweeps`) from these query lengths, per
 # head dim. d = 128, against the rotated order (same process, bf16 / fp16): 2k 0.96x, 4k 0.99x / level,
 # 8k 1.02x / 1.03x, 16k 1.03-1.04x / 1.03x; d = 64: 4k 0.94x, 16k level
@@ -370,6 +372,30 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
 
 
 @gluon.jit
+def finish_step(dv_tok, dk_tok, p_op, ds_op, empty, j):
+    """(dv, dk) once step j's wgmmas completed (their register operands kept until then), and its
+    Q/dO slot released."""
+    STAGES: gl.constexpr = empty.shape[0]
+    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+    release(empty, j, STAGES)
+    return dv, dk
+
+
+@gluon.jit
+def add_dq(dq_parts, dv_tok, dk_tok, p_op, ds_op, empty, j, FIRST_COL: gl.constexpr, COLS: gl.constexpr,
+           HALF: gl.constexpr, WHOLE: gl.constexpr):
+    """`finish_step`, with columns [FIRST_COL, FIRST_COL + COLS) of step j's scale * dS K issued
+    beside dV and dK and staged for the writer warp (`stage_dq`)."""
+    ds_smem, ds_ready, k_smem, dq_smem, _, scale, dq_bars, _ = dq_parts
+    STAGES: gl.constexpr = empty.shape[0]
+    dq_tok = issue_dq(ds_smem, ds_ready, k_smem, j, FIRST_COL, COLS, ds_smem.shape[2])
+    dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, dv_tok, dk_tok, p_op, ds_op))
+    release(empty, j, STAGES)
+    stage_dq(dq * scale, dq_smem, dq_bars, j, HALF, WHOLE)
+    return dv, dk
+
+
+@gluon.jit
 def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagonal, t, j, full, scale_log2,
               s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr, IN_REGISTERS: gl.constexpr,
               dq_parts, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr, ALTERNATE_DQ: gl.constexpr):
@@ -422,21 +448,13 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
             # for the other's dS^T; the other overwrites this buffer at step j + 2 only after its own
             # wait as owner at step j + 1, which the owner's arrival there (after this dQ) releases.
             if j % 2 == HALF:
-                dq_tok = issue_dq(dq_parts[0], dq_parts[1], dq_parts[2], j, 0, D, BLOCK_M)
-                dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, dv_tok, dk_tok, p_op, ds_op))
-                release(empty, j, STAGES)
-                stage_dq(dq * dq_parts[5], dq_parts[3], dq_parts[6], j, HALF, True)
+                dv, dk = add_dq(dq_parts, dv_tok, dk_tok, p_op, ds_op, empty, j, 0, D, HALF, True)
             else:
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-                release(empty, j, STAGES)
+                dv, dk = finish_step(dv_tok, dk_tok, p_op, ds_op, empty, j)
         else:
-            dq_tok = issue_dq(dq_parts[0], dq_parts[1], dq_parts[2], j, HALF * (D // 2), D // 2, BLOCK_M)
-            dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, dv_tok, dk_tok, p_op, ds_op))
-            release(empty, j, STAGES)
-            stage_dq(dq * dq_parts[5], dq_parts[3], dq_parts[6], j, HALF, False)
+            dv, dk = add_dq(dq_parts, dv_tok, dk_tok, p_op, ds_op, empty, j, HALF * (D // 2), D // 2, HALF, False)
     else:
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-        release(empty, j, STAGES)
+        dv, dk = finish_step(dv_tok, dk_tok, p_op, ds_op, empty, j)
     return dk, dv, k, v
 
 
