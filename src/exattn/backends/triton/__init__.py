@@ -28,10 +28,11 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 1.03-1.15x at 1k-2k (gluon-forward-h200-d64-short.json). Backward: 1.06-1.10x at d = 128
 # from 2k, at d = 64 1.06-1.17x from 4k (gluon-backward-h200-d64-in-registers.json); at 1k
 # 1.07-1.25x and 2k 1.25-1.42x, both head dims, bf16 and fp16 (gluon-backward-short-h200-r*.json,
-# fourteenth session); bf16 at 512 1.06-1.26x with the kernel pair, more with ordered dQ
-# (gluon-backward-ordered-short-h200.json). Shorter query lengths: not measured.
+# fourteenth session); bf16 at 512 (gluon-backward-ordered-short-h200.json, two rounds): d = 64
+# 1.06-1.17x with the kernel pair and ordered dQ 1.16-1.21x the pair; d = 128 causal read 0.92x in one
+# round (and ordered dQ 0.65x cuDNN in one), so d = 128 starts at 1k. Shorter lengths: not measured.
 GLUON_FORWARD_MIN_LEN = {64: 1, 128: 1}
-GLUON_BACKWARD_MIN_LEN = {64: 512, 128: 512}
+GLUON_BACKWARD_MIN_LEN = {64: 512, 128: 1024}
 GLUON_HEAD_DIMS = tuple(GLUON_FORWARD_MIN_LEN)
 GLUON_BACKWARD_HEAD_DIMS = tuple(GLUON_BACKWARD_MIN_LEN)
 GLUON_TRITON = (3, 6)
