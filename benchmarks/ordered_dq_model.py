@@ -6,9 +6,10 @@ writer warp adds each step's dQ tile only after the block after it has
 (`dq_order.dq_rank`: causal turns run from the last block that sees a tile
 down to block 0); a hand-off takes `h` steps, and the consumers run one
 step ahead of the writer (one staging slot). Programs are dispatched in
-launch order to the first free SM, one per SM (`gluon_backward`), in groups
-of heads that fit on the GPU at once, each group longest block first
-(`longest_first`) or shortest first. It prints the makespan of each order
+launch order to the first free SM, one per SM (`gluon_backward`), in the
+largest groups of heads that fit on the GPU at once (the kernel's groups are
+at most that large), each group longest block first (`longest_first`) or
+shortest first. Turns are iterated to a fixed point (at most 50 passes). It prints the makespan of each order
 and of unordered (atomic) dQ, for the table's shapes (B * N = 16k, H = 16).
 
     python benchmarks/ordered_dq_model.py --handoffs 0.2,0.5,1.0
@@ -18,11 +19,17 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from exattn.backends.triton.schedule import resident_heads_per_group  # noqa: E402
 
 
 def launch_order(heads: int, blocks: int, sms: int, longest_first: bool) -> list[tuple[int, int]]:
-    """(head, block) in launch order: head groups that fit on `sms`, block-major inside a group."""
-    group = max(g for g in range(1, max(sms // blocks, 1) + 1) if heads % g == 0)
+    """(head, block) in launch order: the largest head groups that fit on `sms`
+    (`schedule.resident_heads_per_group`), block-major inside a group."""
+    group = max(resident_heads_per_group(heads, heads, blocks, sms), 1)
     ranks = range(blocks) if longest_first else range(blocks - 1, -1, -1)
     return [(head, block) for first in range(0, heads, group) for block in ranks
             for head in range(first, first + group)]
