@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py [--batches 1,8,64] [--contexts 1024,8192,32768,131072]
                                 [--page-sizes 16,256] [--impls exattn,sdpa_cudnn,sdpa_flash,flex]
-                                [--table-mode rotated|shared|identity] [--deadline-s 240]
+                                [--table-modes shared,rotated] [--rounds 3] [--deadline-s 240]
                                 [--sweep [--sweep-shapes 8x131072,1x8192x16] [--sweep-configs 64:4:2,...]
                                          [--sweep-splits 1,2,4]] [--out benchmarks/results/decode-h200.json]
     python benchmarks/decode.py --table benchmarks/results/decode-h200.json   # the docs table
@@ -12,10 +12,15 @@ The figure of merit is KV bytes read per second, 2 (K, V) x B x Hk x context x D
 over the time of one call, the same count for every implementation (SDPA and Flex get
 the un-expanded K/V with enable_gqa=True). Paged caches (shuffled pages) run only through
 exattn; SDPA and Flex have no paged layout, so `paged` rows compare with the contiguous
-anchors. Timing: the calls of one configuration are captured in a CUDA graph, replayed
-back to back in windows of at least 1 ms, and the median replay time divided by the
-calls; small caches rotate among copies (>= 256 MB in all) so that each call reads from
-HBM, not L2 (as a decode step over many layers does). Configurations that do not fit
+anchors. Each paged shape runs with one block table shared by the rotated pools ("shared":
+the layers of a decode step share the sequences' table, as they share `cache_seqlens`)
+and with a table per pool ("rotated": every call reads its table from HBM). Timing: the
+calls of one configuration are captured in a CUDA graph, replayed back to back in windows
+of at least 1 ms, and the median replay time divided by the calls; on contiguous caches
+each implementation is timed in `--rounds` interleaved rounds (the order reversed every
+other round) and a row keeps their median; small caches rotate among copies (>= 256 MB
+in all) so that each call reads from HBM, not L2 (as a decode step over many layers
+does). Configurations that do not fit
 in memory, fail, or run past the deadline give rows with tbps/ms null and a note. Goal
 (issue 5): >= 1.0x cuDNN at every shape; >= 4.5 TB/s at 128k; >= 3.5 TB/s at batch 1,
 128k; paged >= 0.95x contiguous.
@@ -191,10 +196,11 @@ def contiguous_caches(batch, context, copies, device):
             for _ in range(copies)]
 
 
-TABLE_MODES = ("rotated", "shared", "identity")
+TABLE_MODES = ("shared", "rotated", "identity")
+TABLE_LABELS = {"shared": "one table", "rotated": "a table per pool", "identity": "pages in order"}
 
 
-def paged_caches(batch, context, page_size, copies, device, seed=0, table_mode="rotated"):
+def paged_caches(batch, context, page_size, copies, device, seed=0, table_mode="shared"):
     """Pools of pages and their block tables: a shuffled table per pool ("rotated"),
     one shuffled table for every pool ("shared": one decode step's layers share the
     sequences' table), or pages in order ("identity", a diagnostic)."""
@@ -222,40 +228,53 @@ class Rows:
     def __init__(self, path: Path, meta: dict):
         self.path, self.meta, self.rows = path, meta, []
 
-    def add(self, impl, batch, context, paged, page_size, ms, note=""):
+    def add(self, impl, batch, context, paged, page_size, ms, note="", table=None, **extra):
         tbps = None if ms is None else kv_bytes(batch, context) / (ms * 1e-3) / 1e12
         row = dict(impl=impl, batch=batch, context=context, paged=paged, page_size=page_size,
-                   tbps=tbps, ms=ms, note=note, **self.meta)
+                   table=table, tbps=tbps, ms=ms, note=note, **extra, **self.meta)
         self.rows.append(row)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.rows, indent=1) + "\n")
         shown = "null" if ms is None else f"{tbps:5.2f} TB/s {ms:8.4f} ms"
-        print(f"{impl:<12} B={batch:<3} ctx={context:<7} paged={page_size or '-':<4} {shown}  {note}", flush=True)
+        print(f"{impl:<12} B={batch:<3} ctx={context:<7} paged={page_size or '-':<4} {table or '':<7} {shown}  {note}",
+              flush=True)
 
-    def get(self, impl, batch, context, page_size=None):
-        for row in self.rows:
-            if (row["impl"], row["batch"], row["context"], row["page_size"]) == (impl, batch, context, page_size):
-                return row
-        return None
+    def get(self, impl, batch, context, page_size=None, table=None):
+        return find_row(self.rows, impl, batch, context, page_size, table)
 
 
-def measure(rows, impl, batch, context, page_size, calls, device, note=""):
+def find_row(rows, impl, batch, context, page_size=None, table=None):
+    """The row of one measurement; paged rows of files from before the table modes had a table per pool."""
+    for row in rows:
+        mode = row.get("table", "rotated") if row["page_size"] else None
+        if (row["impl"], row["batch"], row["context"], row["page_size"], mode) == (
+                impl, batch, context, page_size, table if page_size else None):
+            return row
+    return None
+
+
+def measure(rows, impl, batch, context, page_size, calls, device, note="", table=None):
     try:
         ms, mode = time_calls(calls, device)
-        rows.add(impl, batch, context, page_size is not None, page_size, ms, f"{mode}; {note}".strip("; "))
+        rows.add(impl, batch, context, page_size is not None, page_size, ms, f"{mode}; {note}".strip("; "), table)
     except Exception as error:  # noqa: BLE001 - a failing implementation is a null row
-        rows.add(impl, batch, context, page_size is not None, page_size, None,
-                 f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
-        if os.environ.get("DECODE_BENCH_TRACE"):
-            traceback.print_exc()
+        rows.add(impl, batch, context, page_size is not None, page_size, None, failure(error), table)
         synchronize(device)
+
+
+def failure(error: Exception) -> str:
+    if os.environ.get("DECODE_BENCH_TRACE"):
+        traceback.print_exc()
+    return f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
 
 
 def max_diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def run_contiguous(rows, batch, context, impls, device, deadline):
+def run_contiguous(rows, batch, context, impls, device, deadline, rounds=1):
+    """Each implementation timed `rounds` times, rounds interleaved (reversed every other round);
+    a row keeps the median and every round's ms."""
     copies = copies_for(batch, context)
     if not fits(batch, context, copies, device):
         for impl in impls:
@@ -265,6 +284,7 @@ def run_contiguous(rows, batch, context, impls, device, deadline):
     q = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, dtype=DTYPE, device=device)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     ours = exattn.decode(q, *caches[0], cache_seqlens=lens)
+    timed = {}
     for impl in impls:
         if time.time() > deadline:
             rows.add(impl, batch, context, False, None, None, "not run: past the deadline")
@@ -275,24 +295,38 @@ def run_contiguous(rows, batch, context, impls, device, deadline):
             check = fn(q, *caches[0])
             note = "" if impl == "exattn" else f"max|diff| vs exattn {max_diff(check, ours):.2e}"
         except Exception as error:  # noqa: BLE001
-            rows.add(impl, batch, context, False, None, None,
-                     f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            rows.add(impl, batch, context, False, None, None, failure(error))
             synchronize(device)
             continue
-        calls = [lambda k=k, v=v: fn(q, k, v) for k, v in caches]
-        measure(rows, impl, batch, context, None, calls, device, f"{copies} caches rotated; {note}")
+        timed[impl] = ([lambda k=k, v=v, fn=fn: fn(q, k, v) for k, v in caches], f"{copies} caches rotated; {note}")
+    samples = {impl: [] for impl in timed}
+    for round_index in range(rounds):
+        for impl in list(timed) if round_index % 2 == 0 else list(timed)[::-1]:
+            if isinstance(samples[impl], list):
+                try:
+                    samples[impl].append(time_calls(timed[impl][0], device))
+                except Exception as error:  # noqa: BLE001 - a failing implementation is a null row
+                    samples[impl] = failure(error)
+                    synchronize(device)
+    for impl, (_, note) in timed.items():
+        if isinstance(samples[impl], str):
+            rows.add(impl, batch, context, False, None, None, samples[impl])
+            continue
+        ms_rounds = [ms for ms, _ in samples[impl]]
+        rows.add(impl, batch, context, False, None, statistics.median(ms_rounds),
+                 f"{samples[impl][0][1]}; {note}".strip("; "), ms_rounds=ms_rounds)
     del caches
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def run_paged(rows, batch, context, page_size, device, deadline, table_mode="rotated"):
+def run_paged(rows, batch, context, page_size, device, deadline, table_mode="shared"):
     copies = copies_for(batch, context)
     if time.time() > deadline:
-        rows.add("exattn", batch, context, True, page_size, None, "not run: past the deadline")
+        rows.add("exattn", batch, context, True, page_size, None, "not run: past the deadline", table_mode)
         return
     if not fits(batch, context, copies, device):
-        rows.add("exattn", batch, context, True, page_size, None, "skipped: does not fit in GPU memory")
+        rows.add("exattn", batch, context, True, page_size, None, "skipped: does not fit in GPU memory", table_mode)
         return
     caches = paged_caches(batch, context, page_size, copies, device, table_mode=table_mode)
     q = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, dtype=DTYPE, device=device)
@@ -300,7 +334,8 @@ def run_paged(rows, batch, context, page_size, device, deadline, table_mode="rot
     calls = [lambda k=k, v=v, t=t: exattn.decode(q, k, v, cache_seqlens=lens, block_table=t, validate=False)
              for k, v, t in caches]
     exattn.decode(q, *caches[0][:2], cache_seqlens=lens, block_table=caches[0][2])  # validated once
-    measure(rows, "exattn", batch, context, page_size, calls, device, f"{copies} caches rotated; {table_mode} tables")
+    measure(rows, "exattn", batch, context, page_size, calls, device, f"{copies} caches rotated; {table_mode} tables",
+            table_mode)
     del caches, calls
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -323,7 +358,7 @@ def parse_shape(spec: str):
     return batch, context, page[0] if page else None, [int(n) for n in splits.split("/")] if splits else None
 
 
-def sweep(path, device, deadline, shapes, configs, split_spec="", table_mode="rotated"):
+def sweep(path, device, deadline, shapes, configs, split_spec="", table_mode="shared"):
     """Kernel configurations and split counts at a few shapes (for tuning; not the headline rows).
 
     The default configuration and plan run first; a shape's own split counts, else
@@ -372,11 +407,12 @@ def sweep(path, device, deadline, shapes, configs, split_spec="", table_mode="ro
         path.write_text(json.dumps(results, indent=1) + "\n")
 
 
-def summary(rows, batches, contexts, page_sizes):
+def summary(rows, batches, contexts, page_sizes, table_modes):
     print("\nimpl TB/s (ratio exattn / anchor)")
+    paged_columns = [(p, mode) for mode in table_modes for p in page_sizes]
     header = f"{'B':>3} {'ctx':>7} {'exattn':>7} " + " ".join(
         f"{name:>14}" for name in ("cudnn", "flash", "flex")) + " " + " ".join(
-        f"{'paged' + str(p):>13}" for p in page_sizes)
+        f"{f'paged{p} {mode}':>13}" for p, mode in paged_columns)
     print(header)
     for batch in batches:
         for context in contexts:
@@ -388,8 +424,8 @@ def summary(rows, batches, contexts, page_sizes):
                 tbps = row and row["tbps"]
                 ratio = ours_tbps / tbps if ours_tbps and tbps else float("nan")
                 cells.append(f"{tbps or float('nan'):6.2f} ({ratio:4.2f}x)")
-            for page_size in page_sizes:
-                row = rows.get("exattn", batch, context, page_size)
+            for page_size, mode in paged_columns:
+                row = rows.get("exattn", batch, context, page_size, mode)
                 tbps = row and row["tbps"]
                 ratio = tbps / ours_tbps if ours_tbps and tbps else float("nan")
                 cells.append(f"{tbps or float('nan'):5.2f} ({ratio:4.2f}x)")
@@ -399,30 +435,36 @@ def summary(rows, batches, contexts, page_sizes):
 def markdown_table(path: Path) -> str:
     """The docs table from a results file: TB/s and ms per shape, ratios to each anchor."""
     rows = json.loads(path.read_text())
-    pick = {(r["impl"], r["batch"], r["context"], r["page_size"]): r for r in rows}
-    page_sizes = sorted({r["page_size"] for r in rows if r["page_size"]})
+    modes = [m for m in TABLE_MODES if any(r.get("table", "rotated") == m for r in rows if r["page_size"])]
+    paged_columns = [(p, mode) for mode in modes for p in sorted({r["page_size"] for r in rows if r["page_size"]})]
     shapes = sorted({(r["batch"], r["context"]) for r in rows})
     head = ["B", "context", "exattn TB/s (ms)", "vs cuDNN", "vs flash", "vs Flex"]
-    head += [f"paged {p} TB/s (vs contiguous)" for p in page_sizes]
+    head += [f"paged {p}, {TABLE_LABELS[mode]} TB/s (vs contiguous)" for p, mode in paged_columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
-    def tbps(impl, batch, context, page=None):
-        row = pick.get((impl, batch, context, page))
+    def tbps(impl, batch, context, page=None, mode=None):
+        row = find_row(rows, impl, batch, context, page, mode)
         return row and row["tbps"]
 
     for batch, context in shapes:
-        ours = pick.get(("exattn", batch, context, None))
+        ours = find_row(rows, "exattn", batch, context)
         ours_tbps = ours and ours["tbps"]
         cells = [str(batch), f"{context // 1024}k",
                  f"{ours_tbps:.2f} ({ours['ms']:.4f})" if ours_tbps else "n/a"]
         for impl in ("sdpa_cudnn", "sdpa_flash", "flex"):
             theirs = tbps(impl, batch, context)
             cells.append(f"{ours_tbps / theirs:.2f}x ({theirs:.2f})" if ours_tbps and theirs else "n/a")
-        for page in page_sizes:
-            paged_tbps = tbps("exattn", batch, context, page)
+        for page, mode in paged_columns:
+            paged_tbps = tbps("exattn", batch, context, page, mode)
             cells.append(f"{paged_tbps:.2f} ({paged_tbps / ours_tbps:.2f}x)" if paged_tbps and ours_tbps else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return int(text)
 
 
 def main() -> None:
@@ -432,6 +474,8 @@ def main() -> None:
     parser.add_argument("--page-sizes", default="16,256")
     parser.add_argument("--impls", default="exattn,sdpa_cudnn,sdpa_flash,flex")
     parser.add_argument("--deadline-s", type=float, default=240.0, help="stop starting measurements after this")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="contiguous shapes: interleaved rounds per implementation; rows keep the median")
     parser.add_argument("--sweep", action="store_true", help="also time kernel configs and split counts")
     parser.add_argument("--sweep-shapes", default="1x131072,8x32768,8x32768x16,8x32768x256",
                         help="BxCONTEXT[xPAGE_SIZE][@SPLITS/SPLITS/...],...")
@@ -442,8 +486,9 @@ def main() -> None:
     parser.add_argument("--sweep-splits", default="",
                         help="split counts, or 'plan' (default: 0.5, 1, 2, 3 x the plan)")
     parser.add_argument("--sweep-out", help="sweep results (default: the --out name with -sweep)")
-    parser.add_argument("--table-mode", default="rotated", choices=TABLE_MODES,
-                        help="paged caches: a block table per rotated pool, one shared table, or pages in order")
+    parser.add_argument("--table-modes", default="shared,rotated",
+                        help=f"paged caches, any of {','.join(TABLE_MODES)}: one block table for every rotated pool, "
+                             "a table per pool, or pages in order (the sweep takes the first)")
     parser.add_argument("--no-main", action="store_true", help="skip the main table (with --sweep)")
     parser.add_argument("--out", default=str(RESULTS / "decode-h200.json"))
     parser.add_argument("--device", default="cuda")
@@ -459,6 +504,9 @@ def main() -> None:
     contexts = [int(x) for x in args.contexts.split(",")]
     page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
     impls = args.impls.split(",")
+    table_modes = args.table_modes.split(",")
+    if not set(table_modes) <= set(TABLE_MODES):
+        parser.error(f"--table-modes must be among {','.join(TABLE_MODES)}, got {args.table_modes}")
     deadline = time.time() + args.deadline_s
     rows = Rows(Path(args.out), versions(device))
     torch.manual_seed(0)
@@ -467,20 +515,21 @@ def main() -> None:
         batches, impls, first = [], [], []
     for batch in batches:
         for context in contexts:
-            run_contiguous(rows, batch, context, first, device, deadline)
-            for page_size in page_sizes:
-                run_paged(rows, batch, context, page_size, device, deadline, args.table_mode)
+            run_contiguous(rows, batch, context, first, device, deadline, args.rounds)
+            for mode in table_modes:
+                for page_size in page_sizes:
+                    run_paged(rows, batch, context, page_size, device, deadline, mode)
     if "flex" in impls:  # the anchor table's batch first
         for batch in sorted(batches, key=lambda b: (b != 8, b)):
             for context in contexts:
                 run_contiguous(rows, batch, context, ["flex"], device, deadline)
     if batches:
-        summary(rows, batches, contexts, page_sizes)
+        summary(rows, batches, contexts, page_sizes, table_modes)
     if args.sweep:
         shapes = [parse_shape(shape) for shape in args.sweep_shapes.split(",")]
         sweep_path = Path(args.sweep_out or Path(args.out).with_name(Path(args.out).stem + "-sweep.json"))
         configs = [] if args.sweep_default_only else parse_configs(args.sweep_configs)
-        sweep(sweep_path, device, time.time() + args.sweep_s, shapes, configs, args.sweep_splits, args.table_mode)
+        sweep(sweep_path, device, time.time() + args.sweep_s, shapes, configs, args.sweep_splits, table_modes[0])
 
 
 if __name__ == "__main__":
