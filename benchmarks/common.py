@@ -34,6 +34,23 @@ def interleaved_seconds(fns: dict, warmup=1, repeats=5) -> dict[str, list[float]
     return times
 
 
+def interleaved_rounds(names, rounds, measure, describe_failure, samples=None) -> dict:
+    """{name: [measure(name) per round] or a note}: every other round in reverse order, so that a
+    drift in the GPU's clock between measurements reaches every implementation alike. A name whose
+    measurement raised (its note: describe_failure(error)), or that `samples` maps to a note, is not
+    measured again."""
+    samples = dict(samples or {})
+    for round_index in range(rounds):
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            if isinstance(samples.get(name), str):
+                continue
+            try:
+                samples.setdefault(name, []).append(measure(name))
+            except Exception as error:  # noqa: BLE001 - a failing implementation becomes a note
+                samples[name] = describe_failure(error)
+    return samples
+
+
 def environment() -> dict:
     import exattn
 

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import exattn
+from common import interleaved_rounds
 
 HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -299,15 +300,7 @@ def run_contiguous(rows, batch, context, impls, device, deadline, rounds=1):
             synchronize(device)
             continue
         timed[impl] = ([lambda k=k, v=v, fn=fn: fn(q, k, v) for k, v in caches], f"{copies} caches rotated; {note}")
-    samples = {impl: [] for impl in timed}
-    for round_index in range(rounds):
-        for impl in list(timed) if round_index % 2 == 0 else list(timed)[::-1]:
-            if isinstance(samples[impl], list):
-                try:
-                    samples[impl].append(time_calls(timed[impl][0], device))
-                except Exception as error:  # noqa: BLE001 - a failing implementation is a null row
-                    samples[impl] = failure(error)
-                    synchronize(device)
+    samples = timed_rounds({impl: calls for impl, (calls, _) in timed.items()}, device, rounds)
     for impl, (_, note) in timed.items():
         if isinstance(samples[impl], str):
             rows.add(impl, batch, context, False, None, None, samples[impl])
@@ -318,6 +311,15 @@ def run_contiguous(rows, batch, context, impls, device, deadline, rounds=1):
     del caches
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def timed_rounds(calls_by_impl, device, rounds):
+    """impl -> [(ms, mode) per round], or a failure note (`common.interleaved_rounds`)."""
+    def failed(error):
+        synchronize(device)
+        return failure(error)
+
+    return interleaved_rounds(list(calls_by_impl), rounds, lambda impl: time_calls(calls_by_impl[impl], device), failed)
 
 
 def run_paged(rows, batch, context, page_size, device, deadline, table_mode="shared"):

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import attention_flops  # noqa: E402
+from common import attention_flops, interleaved_rounds  # noqa: E402
 
 IMPLS = ("exattn-triton", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -218,24 +218,19 @@ def versions() -> dict:
 
 
 def timed_rounds(impls, cell, args) -> dict:
-    """{impl: [(fwd_ms, bwd_ms), ...] or an error string}: `args.rounds` rounds over the
-    implementations, every other round in reverse order, so a drift in the GPU's clock between
-    measurements reaches every implementation alike."""
-    samples = {}
-    for round_ in range(args.rounds):
-        for impl in impls if round_ % 2 == 0 else impls[::-1]:
-            if isinstance(samples.get(impl), str):
-                continue
-            if impl == "flex" and cell["dtype"] not in args.flex_dtypes.split(","):
-                samples[impl] = "skipped (--flex-dtypes)"
-                continue
-            try:
-                samples.setdefault(impl, []).append(measure(impl, cell, args.warmup_ms, args.rep_ms))
-            except Exception as exc:
-                samples[impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-                traceback.print_exc(limit=2)
-                torch.cuda.empty_cache()
-    return samples
+    """{impl: [(fwd_ms, bwd_ms), ...] or an error string}: `args.rounds` interleaved rounds
+    (`common.interleaved_rounds`)."""
+    skipped = {}
+    if "flex" in impls and cell["dtype"] not in args.flex_dtypes.split(","):
+        skipped["flex"] = "skipped (--flex-dtypes)"
+    return interleaved_rounds(list(impls), args.rounds, lambda impl: measure(impl, cell, args.warmup_ms, args.rep_ms),
+                              describe_failure, skipped)
+
+
+def describe_failure(exc: Exception) -> str:
+    traceback.print_exc(limit=2)
+    torch.cuda.empty_cache()
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
 def row_for(impl, cell, samples):
