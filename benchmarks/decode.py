@@ -20,8 +20,8 @@ of at least 1 ms, and the median replay time divided by the calls; on contiguous
 each implementation is timed in `--rounds` interleaved rounds (the order reversed every
 other round) and a row keeps their median; small caches rotate among copies (>= 256 MB
 in all) so that each call reads from HBM, not L2 (as a decode step over many layers
-does). Configurations that do not fit
-in memory, fail, or run past the deadline give rows with tbps/ms null and a note. Goal
+does). Configurations that do not fit in memory, fail, or run past the deadline give
+rows with tbps/ms null and a note. Goal
 (issue 5): >= 1.0x cuDNN at every shape; >= 4.5 TB/s at 128k; >= 3.5 TB/s at batch 1,
 128k; paged >= 0.95x contiguous.
 """
@@ -524,7 +524,7 @@ def main() -> None:
     if "flex" in impls:  # the anchor table's batch first
         for batch in sorted(batches, key=lambda b: (b != 8, b)):
             for context in contexts:
-                run_contiguous(rows, batch, context, ["flex"], device, deadline)
+                run_contiguous(rows, batch, context, ["flex"], device, deadline, args.rounds)
     if batches:
         summary(rows, batches, contexts, page_sizes, table_modes)
     if args.sweep:
