@@ -20,6 +20,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.runtime.jit import mangle_type
 
 from exattn.backends.triton import decode_kernel, passes
@@ -81,7 +82,7 @@ def recorded_decode_launches(paged: bool, merge_in_split: bool = False, page_str
 
 
 def compile_for_sm90(kernel, args, kwargs):
-    """`kernel` (a triton.jit function) compiled for sm_90a with the launch's arguments, specialized
+    """`kernel` (a triton.jit or gluon.jit function) compiled for sm_90a with the launch's arguments, specialized
     as the JIT specializes them: pointers and integers divisible by 16 get `tt.divisibility` 16,
     integers equal to 1 become constants."""
     kwargs = dict(kwargs)
@@ -103,8 +104,8 @@ def compile_for_sm90(kernel, args, kwargs):
             signature[name] = mangle_type(value)
             if type(value) is int and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+    source = (GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource)(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 CASES = {

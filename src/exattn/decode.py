@@ -292,6 +292,13 @@ def choose_decode_backend(problem: DecodeProblem, backend: object) -> str:
     return "triton"
 
 
+# Under-filled launches over at least this many keys run the Gluon split kernel on sm_90
+# (`gluon_decode.py`, its load schedule). Against the Triton kernel, 4 interleaved rounds
+# (decode-gluon-ab-h200.json): B = 8 1.009 / 1.006 / 1.002 / 1.001x at 128k / 64k / 32k / 16k and
+# 0.992x at 8k (0.998x in an earlier probe); B = 1 1.005 / 1.010 / 1.032x at 128k / 32k / 8k.
+# Below 16k the B = 8 loss decides; shorter sequences were not measured.
+GLUON_MIN_KEYS = 16384
+
 # Sequences of at most this many key blocks are short: each split's few blocks are a chain of
 # dependent loads (length, page index, K/V), so more and shorter splits pay (`plan_launch`).
 SHORT_KEY_BLOCKS = 16
@@ -328,7 +335,8 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
     if not (fills_gpu or splits == 1 or key_blocks > SHORT_KEY_BLOCKS):
         config = default_config(rows, head_dim, value_dim, fills_gpu=True)
         splits = max(1, min(key_blocks, num_sms * resident_per_sm(config) // programs))
-    return config._replace(merge_in_split=splits > 1 and programs * splits > num_sms), splits
+    gluon = not fills_gpu and max_seqlen >= GLUON_MIN_KEYS and rows <= 16 and head_dim == value_dim == 128
+    return config._replace(merge_in_split=splits > 1 and programs * splits > num_sms, gluon=gluon), splits
 
 
 def triton_plan(problem: DecodeProblem) -> tuple[DecodeConfig, int]:
@@ -344,8 +352,15 @@ def triton_plan(problem: DecodeProblem) -> tuple[DecodeConfig, int]:
 
 def run_triton(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     from .backends.triton import decode_kernel
+    from .backends.triton.passes import settings
 
     config, num_splits = triton_plan(problem)
+    if config.gluon and settings.use_gluon:
+        from .backends.triton.gluon_decode import gluon_decode_forward, gluon_decode_reasons
+
+        if not gluon_decode_reasons(problem.q, problem.k_cache, problem.v_cache, problem.block_table):
+            return gluon_decode_forward(problem.q, problem.k_cache, problem.v_cache, problem.seqlens,
+                                        problem.scale, num_splits)
     return decode_kernel.decode_forward(
         problem.q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table,
         problem.scale, num_splits, config,

@@ -48,13 +48,15 @@ MAX_ROWS = 64  # query rows (G * Nq) one program carries; more rows add row bloc
 
 class DecodeConfig(NamedTuple):
     """merge_in_split: with several splits, the last split of each group to finish merges the
-    group's partial results (`_merge_splits`) instead of a second kernel (`plan_launch` decides)."""
+    group's partial results (`_merge_splits`) instead of a second kernel (`plan_launch` decides).
+    gluon: on sm_90, the Gluon split kernel (`gluon_decode.py`) serves the launch where it can."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     merge_in_split: bool = False
+    gluon: bool = False
 
 
 def default_config(rows: int, head_dim: int, value_dim: int, fills_gpu: bool = False) -> DecodeConfig:
@@ -313,14 +315,7 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
     capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
     num_splits = min(num_splits, max_useful_splits(capacity, config))
     seqlens = seqlens.contiguous()
-    out = torch.empty(batch, heads_q, len_q, value_dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
-    if num_splits == 1:
-        part_out, part_lse = out, lse
-    else:
-        part_out = torch.empty(batch, heads_q, len_q, num_splits, value_dim,
-                               dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, heads_q, len_q, num_splits, dtype=torch.float32, device=q.device)
+    out, lse, part_out, part_lse = split_outputs(q, value_dim, num_splits)
     table = block_table if paged else seqlens
     table_strides = block_table.stride() if paged else (0, 0)
     grid = (batch * heads_k, num_splits, ceil_div(group * len_q, config.block_m))
@@ -342,9 +337,29 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
         num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=register_cap(config), **merge,
     )
     if num_splits > 1 and not merge:
-        decode_combine_kernel[(batch * heads_k, group * len_q)](
-            part_out, part_lse, out, lse, heads_k, group, len_q, num_splits,
-            VALUE_DIM=value_dim, BLOCK_DV=padded_dim(value_dim),
-            MERGE_SPLITS=splits_per_load(1, num_splits, value_dim), num_warps=4,
-        )
+        combine_splits(part_out, part_lse, out, lse, heads_k)
     return out, lse
+
+
+def split_outputs(q: torch.Tensor, value_dim: int, num_splits: int):
+    """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32, and where the split kernel writes:
+    the same tensors for one split, else float32 partials (B, Hq, Nq, splits[, Dv])."""
+    batch, heads_q, len_q, _ = q.shape
+    out = torch.empty(batch, heads_q, len_q, value_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        return out, lse, out, lse
+    part_out = torch.empty(batch, heads_q, len_q, num_splits, value_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, heads_q, len_q, num_splits, dtype=torch.float32, device=q.device)
+    return out, lse, part_out, part_lse
+
+
+def combine_splits(part_out, part_lse, out, lse, heads_k: int) -> None:
+    """`decode_combine_kernel` over `split_outputs`' partials: out and lse of every row."""
+    batch, heads_q, len_q, num_splits, value_dim = part_out.shape
+    group = heads_q // heads_k
+    decode_combine_kernel[(batch * heads_k, group * len_q)](
+        part_out, part_lse, out, lse, heads_k, group, len_q, num_splits,
+        VALUE_DIM=value_dim, BLOCK_DV=padded_dim(value_dim),
+        MERGE_SPLITS=splits_per_load(1, num_splits, value_dim), num_warps=4,
+    )

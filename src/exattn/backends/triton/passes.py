@@ -67,8 +67,8 @@ class TritonSettings:
         (Hopper and newer, and the interpreter). Env: EXATTN_TRITON_TMA=0 turns it off.
     use_gluon: on sm_90 run the forward and backward through the Gluon kernels
         (warp-specialized) at the head dims and lengths of GLUON_FORWARD_MIN_LEN and
-        GLUON_BACKWARD_MIN_LEN, where they serve the inputs.
-        Env: EXATTN_TRITON_GLUON=0 turns it off.
+        GLUON_BACKWARD_MIN_LEN, and the decode launches `plan_launch` marks `gluon`,
+        where they serve the inputs. Env: EXATTN_TRITON_GLUON=0 turns it off.
     """
 
     atomic_dq: bool = env_flag("EXATTN_TRITON_ATOMIC_DQ", False)

@@ -1,0 +1,176 @@
+"""Split-KV decode for Hopper (sm_90) in Gluon, for long contiguous caches.
+
+    gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits) -> (out, lse)
+    gluon_decode_reasons(q, k_cache, v_cache, block_table) -> why it cannot serve (empty: it can)
+
+Same contract and split rule as `decode_kernel.decode_forward` (its partial results merged by
+the same combine kernel), for the launches `plan_launch` marks `gluon`: D = Dv = 128, up to
+16 query rows (G * Nq) per K/V head, fp16/bf16, contiguous caches.
+
+What differs is when K/V bytes are asked for. The Triton kernel's software pipeline keeps two
+64-key blocks of K and V in flight and issues a block's copies after the block's arithmetic.
+Here each tensor has one 64-key buffer and each copy group is one tensor's block, in the order
+cuDNN's decode kernel uses (seen in its SASS): wait for K_j (V_j may still be in flight), read
+K_j's fragments into registers, issue K_{j+1} into the freed buffer, S_j and its softmax; wait
+for V_j, read its fragments, issue V_{j+1}, O += P_j V_j. About 32 KB stay in flight per
+program; deeper buffers (64 KB) and shallower ones (16 KB) read less
+(benchmarks/results/decode-gluon-depth-ab-h200.json).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from . import decode_kernel
+from .configs import capability_of, ceil_div, interpreting, tma_compatible
+from .gluon_forward import larger, plus
+
+BLOCK_N = 64
+ROWS = 16  # query rows one program carries (G * Nq padded to the mma's 16)
+HEAD_DIM = 128
+DTYPES = (torch.float16, torch.bfloat16)
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+def gluon_decode_reasons(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table) -> list[str]:
+    """Every reason `gluon_decode_forward` cannot serve these inputs (empty if it can)."""
+    from . import gluon_written_for_this_triton
+
+    reasons = []
+    if interpreting():
+        reasons.append("TRITON_INTERPRET=1 is set: Gluon kernels do not run in Triton's interpreter")
+    elif q.device.type != "cuda":
+        reasons.append(f"needs CUDA tensors on an sm_90 GPU, got device {q.device}")
+    elif capability_of(q.device) != (9, 0):
+        reasons.append(f"needs an sm_90 GPU, got compute capability {capability_of(q.device)}")
+    if not gluon_written_for_this_triton():
+        reasons.append("the Gluon kernels are written for Triton 3.6")
+    if q.dtype not in DTYPES:
+        reasons.append(f"dtype {q.dtype} is not float16 or bfloat16")
+    if (q.shape[3], v_cache.shape[3]) != (HEAD_DIM, HEAD_DIM):
+        reasons.append(f"head dims D={q.shape[3]}, Dv={v_cache.shape[3]}: need D = Dv = {HEAD_DIM}")
+    rows = q.shape[1] // k_cache.shape[1] * q.shape[2]
+    if rows > ROWS:
+        reasons.append(f"{rows} query rows per K/V head (G * Nq): at most {ROWS}")
+    if block_table is not None:
+        reasons.append("paged caches run on the Triton kernel")
+    if not tma_compatible(q, k_cache, v_cache):
+        reasons.append("strides are not 16-byte aligned with a unit last stride")
+    return reasons
+
+
+@gluon.jit
+def copy_block(buffer, head, n0, hi, stride_n, rows, cols):
+    """Keys n0 .. n0 + BLOCK_N of one head into `buffer` as one copy group; keys at or past hi read as 0."""
+    keys = n0 + rows
+    pointers = head + keys.to(gl.int64)[:, None] * stride_n + cols[None, :]
+    async_copy.async_copy_global_to_shared(buffer, pointers, mask=(keys < hi)[:, None] & (cols < buffer.shape[1])[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def fragments(buffer, layout: gl.constexpr, transpose: gl.constexpr):
+    """`buffer` (whose copy group is the older of the two in flight) read into registers; the
+    barriers make every thread's copies visible first and free the buffer for the next copy after."""
+    async_copy.wait_group(1)
+    gl.thread_barrier()
+    if transpose:
+        values = buffer.permute((1, 0)).load(layout)
+    else:
+        values = buffer.load(layout)
+    gl.thread_barrier()
+    return values
+
+
+@gluon.jit
+def gluon_decode_split_kernel(
+    Q, K, V, SEQLENS, OUT, LSE,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    heads_k, group, len_q, num_splits, qk_scale,
+    HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+    operand_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    operand_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    tile: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    swizzled: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    b = pid // heads_k
+    hk = pid % heads_k
+    length = gl.load(SEQLENS + b)
+    chunk = gl.cdiv(gl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, length)
+
+    tile_rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, tile))
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, tile))
+    k_head = K + b.to(gl.int64) * stride_kb + hk.to(gl.int64) * stride_kh
+    v_head = V + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
+    k_buffer = gl.allocate_shared_memory(K.dtype.element_ty, [BLOCK_N, HEAD_DIM], swizzled)
+    v_buffer = gl.allocate_shared_memory(V.dtype.element_ty, [BLOCK_N, HEAD_DIM], swizzled)
+    copy_block(k_buffer, k_head, lo, hi, stride_kn, tile_rows, cols)
+    copy_block(v_buffer, v_head, lo, hi, stride_vn, tile_rows, cols)
+
+    q_rows = gl.arange(0, ROWS, gl.SliceLayout(1, tile))
+    q_ptrs = (Q + b.to(gl.int64) * stride_qb + (hk * group + q_rows // len_q).to(gl.int64)[:, None] * stride_qh
+              + (q_rows % len_q)[:, None] * stride_qt + cols[None, :])
+    q = gl.convert_layout(gl.load(q_ptrs, mask=(q_rows < group * len_q)[:, None], other=0.0), operand_a)
+
+    rows = gl.arange(0, ROWS, gl.SliceLayout(1, mma))
+    keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, mma))
+    last_key = length - len_q + rows % len_q
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma)
+    for n0 in range(lo, hi, BLOCK_N):
+        k = fragments(k_buffer, operand_b, True)
+        copy_block(k_buffer, k_head, n0 + BLOCK_N, hi, stride_kn, tile_rows, cols)
+        s = mma_v2(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, mma)) * qk_scale
+        s = gl.where((n0 + keys)[None, :] <= last_key[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.reduce(s, 1, larger))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.reduce(p, 1, plus)
+        p = gl.convert_layout(p.to(V.dtype.element_ty), operand_a)
+        v = fragments(v_buffer, operand_b, False)
+        copy_block(v_buffer, v_head, n0 + BLOCK_N, hi, stride_vn, tile_rows, cols)
+        acc = mma_v2(p, v, acc * alpha[:, None])
+        m_i = m_new
+    async_copy.wait_group(0)
+
+    has_mass = l_i != 0.0
+    safe_l = gl.where(has_mass, l_i, 1.0)
+    out = gl.where(has_mass[:, None], acc / safe_l[:, None], 0.0)
+    lse = gl.where(has_mass, (m_i + gl.log2(safe_l)) * LN2, float("-inf"))
+    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, mma))
+    head = hk * group + rows // len_q
+    out_row = ((b * heads_k * group + head).to(gl.int64) * len_q + rows % len_q) * num_splits + split
+    row_ok = rows < group * len_q
+    gl.store(OUT + out_row[:, None] * HEAD_DIM + out_cols[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None])
+    gl.store(LSE + out_row, lse, mask=row_ok)
+
+
+def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits):
+    """`decode_kernel.decode_forward` for inputs `gluon_decode_reasons` accepts (contiguous caches)."""
+    batch, heads_q, len_q, head_dim = q.shape
+    heads_k = k_cache.shape[1]
+    num_splits = min(num_splits, ceil_div(k_cache.shape[2], BLOCK_N), 65535)
+    out, lse, part_out, part_lse = decode_kernel.split_outputs(q, head_dim, num_splits)
+    gluon_decode_split_kernel[(batch * heads_k, num_splits)](
+        q, k_cache, v_cache, seqlens.contiguous(), part_out, part_lse,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        heads_k, heads_q // heads_k, len_q, num_splits, scale * decode_kernel.LOG2E,
+        HEAD_DIM=head_dim, ROWS=ROWS, BLOCK_N=BLOCK_N, num_warps=4,
+    )
+    if num_splits > 1:
+        decode_kernel.combine_splits(part_out, part_lse, out, lse, heads_k)
+    return out, lse

@@ -1,0 +1,157 @@
+"""The Gluon (sm_90) decode split kernel: compiled for Hopper on the CPU, and against the oracle on
+the GPU (-m gpu). CPU (CI): it compiles without spills, keeps one K and one V buffer with one copy
+group in flight behind the one it waits for, and `gluon_decode_reasons` names every refusal;
+`plan_launch` marks only the launches it was measured on. GPU: ragged lengths with NaN beyond them,
+Nq up to 4, split counts from 1 to more than there are key blocks, fp16 and bf16, CUDA graphs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_gluon_forward import HOPPER_SHARED_BYTES, resource_usage
+from test_triton_compile import RecordedLaunch, compile_for_sm90
+
+import exattn
+from exattn.backends.triton import decode_kernel
+from exattn.backends.triton import gluon_decode as gd
+from exattn.decode import GLUON_MIN_KEYS, plan_launch
+
+
+def compiled_kernel(dtype: torch.dtype, len_q: int, monkeypatch):
+    """The kernel as `gluon_decode_forward` launches it on CPU tensors, compiled for sm_90a."""
+    kernel, recorder = gd.gluon_decode_split_kernel, RecordedLaunch()
+    monkeypatch.setattr(gd, "gluon_decode_split_kernel", recorder)
+    monkeypatch.setattr(decode_kernel, "decode_combine_kernel", RecordedLaunch())
+    q = torch.randn(3, 32, len_q, 128).to(dtype)
+    k, v = (torch.randn(3, 8, 4000, 128).to(dtype) for _ in range(2))
+    gd.gluon_decode_forward(q, k, v, torch.tensor([4000, 17, 2500], dtype=torch.int32), 0.1, 5)
+    args, kwargs = recorder.calls[0]
+    return compile_for_sm90(kernel, args, kwargs)
+
+
+@pytest.mark.parametrize("dtype,len_q", [(torch.bfloat16, 1), (torch.float16, 1), (torch.bfloat16, 4)])
+def test_compiles_for_sm90_with_one_buffer_per_tensor(dtype, len_q, tmp_path, monkeypatch):
+    kernel = compiled_kernel(dtype, len_q, monkeypatch)
+    usage = resource_usage(kernel, tmp_path)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
+    block_bytes = gd.BLOCK_N * gd.HEAD_DIM * dtype.itemsize
+    assert 2 * block_bytes <= kernel.metadata.shared < 3 * block_bytes <= HOPPER_SHARED_BYTES, kernel.metadata.shared
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"cp\.async\.wait_group\s+1;", ptx), "no longer waits for the older of two copy groups"
+    assert "mma.sync.aligned.m16n8k16" in ptx
+
+
+def test_reasons_name_every_refusal(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(1, 40, 1, 100)
+    v = torch.randn(1, 2, 64, 96)
+    reasons = " | ".join(gd.gluon_decode_reasons(q, torch.randn(1, 2, 64, 101)[..., :100], v, torch.zeros(1, 4, dtype=torch.int32)))
+    for words in ("CUDA", "float32", "D=100, Dv=96", "20 query rows", "paged", "16-byte"):
+        assert words in reasons, (words, reasons)
+
+
+@pytest.mark.parametrize("interpret,words", [("0", "CUDA"), ("1", "TRITON_INTERPRET")])
+def test_good_cpu_inputs_are_refused_only_for_the_device(interpret, words, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    q = torch.randn(2, 32, 1, 128).to(torch.bfloat16)
+    k = torch.randn(2, 8, 256, 128).to(torch.bfloat16)
+    reasons = gd.gluon_decode_reasons(q, k, k, None)
+    assert len(reasons) == 1 and words in reasons[0], reasons
+
+
+@pytest.mark.parametrize("batch,rows,dims,context,expected", [
+    (8, 4, (128, 128), 131072, True), (1, 4, (128, 128), GLUON_MIN_KEYS, True), (8, 16, (128, 128), 32768, True),
+    (64, 4, (128, 128), 131072, False),  # fills the GPU unsplit: the Triton kernel's 2-stage plan
+    (1, 4, (128, 128), GLUON_MIN_KEYS - 1, False), (8, 4, (128, 128), GLUON_MIN_KEYS - 1, False),
+    (8, 32, (128, 128), 32768, False), (8, 4, (64, 64), 32768, False), (8, 4, (128, 64), 32768, False),
+])
+def test_plan_marks_only_the_measured_launches(batch, rows, dims, context, expected):
+    config, _ = plan_launch(batch, 8, rows, *dims, context, 132)
+    assert config.gluon is expected
+
+
+def test_interpreter_decode_of_a_marked_plan_runs_the_triton_kernel(monkeypatch):
+    """A launch the plan marks, on inputs Gluon refuses (the interpreter), decodes with the Triton kernel."""
+    def refuse(*args):
+        raise AssertionError("the Gluon path ran")
+
+    monkeypatch.setattr(gd, "gluon_decode_forward", refuse)
+    q = torch.randn(1, 4, 1, 128).to(torch.float16)
+    k, v = (torch.randn(1, 1, GLUON_MIN_KEYS, 128).to(torch.float16) for _ in range(2))
+    lens = torch.tensor([GLUON_MIN_KEYS - 5], dtype=torch.int32)
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors only decode on the interpreter")
+    out = exattn.decode(q, k, v, cache_seqlens=lens, num_splits=2, backend="triton")
+    ref = exattn.decode(q, k, v, cache_seqlens=lens, backend="tiled")
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-3)
+
+
+# ---------------------------------------------------------------- GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def gpu_case(batch, len_q, capacity, dtype, seed):
+    """`test_decode_gpu.make_case` (NaN past each length) in `dtype`."""
+    from test_decode_gpu import make_case
+
+    q, k, v, lens = make_case(batch, 32, 8, len_q, capacity, 128, seed=seed)
+    return q.to(dtype), k.to(dtype), v.to(dtype), lens
+
+
+def assert_matches_attention(name, out, lse, q, k, v, lens):
+    """Each sequence against the float64 oracle of causal attention over its keys, by the error rule in q's dtype."""
+    from error_rule import assert_matches_oracle
+    from exattn.reference import attention_ref
+
+    for b, length in enumerate(lens.tolist()):
+        args = (q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length])
+        ref_out, ref_lse = attention_ref(*args, causal=True, return_lse=True)
+        naive_out, naive_lse = exattn.attention(*args, causal=True, backend="naive", return_lse=True)
+        assert_matches_oracle(f"{name} out[{b}]", out[b:b + 1], naive_out, ref_out, q.dtype)
+        assert_matches_oracle(f"{name} lse[{b}]", lse[b:b + 1], naive_lse, ref_lse, q.dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=("bf16", "fp16"))
+@pytest.mark.parametrize("len_q", (1, 4))
+@pytest.mark.parametrize("num_splits", (1, 4, 7, 300))
+def test_gpu_matches_the_oracle(dtype, len_q, num_splits):
+    q, k, v, lens = gpu_case(3, len_q, 9000, dtype, seed=num_splits + len_q)
+    assert not gd.gluon_decode_reasons(q, k, v, None)
+    out, lse = gd.gluon_decode_forward(q, k, v, lens, 128 ** -0.5, num_splits)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_matches_attention(f"gluon {dtype} Nq={len_q} splits={num_splits}", out, lse, q, k, v, lens)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_takes_the_gluon_path_and_agrees_with_triton(monkeypatch):
+    from exattn.backends.triton.passes import settings
+
+    q, k, v, lens = gpu_case(8, 1, 2 * GLUON_MIN_KEYS, torch.bfloat16, seed=1)
+    calls = []
+    real = gd.gluon_decode_forward
+    monkeypatch.setattr(gd, "gluon_decode_forward", lambda *args: calls.append(1) or real(*args))
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True)
+    assert calls, "the plan's Gluon launch did not run"
+    monkeypatch.setattr(settings, "use_gluon", False)
+    triton_out, triton_lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, triton_out, rtol=0, atol=1e-2)
+    torch.testing.assert_close(lse, triton_lse, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cuda_graph_replays_the_gluon_path():
+    q, k, v, lens = gpu_case(2, 1, GLUON_MIN_KEYS + 100, torch.bfloat16, seed=3)
+    eager = exattn.decode(q, k, v, cache_seqlens=lens, validate=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = exattn.decode(q, k, v, cache_seqlens=lens, validate=False)
+    graph.replay()
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)
