@@ -47,7 +47,8 @@ def test_reasons_name_every_refusal(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = torch.randn(1, 40, 1, 100)
     v = torch.randn(1, 2, 64, 96)
-    reasons = " | ".join(gd.gluon_decode_reasons(q, torch.randn(1, 2, 64, 101)[..., :100], v, torch.zeros(1, 4, dtype=torch.int32)))
+    k = torch.randn(1, 2, 64, 101)[..., :100]  # rows of 101 floats: not 16-byte aligned
+    reasons = " | ".join(gd.gluon_decode_reasons(q, k, v, torch.zeros(1, 4, dtype=torch.int32)))
     for words in ("CUDA", "float32", "D=100, Dv=96", "20 query rows", "paged", "16-byte"):
         assert words in reasons, (words, reasons)
 

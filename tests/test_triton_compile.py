@@ -104,7 +104,8 @@ def compile_for_sm90(kernel, args, kwargs):
             signature[name] = mangle_type(value)
             if type(value) is int and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    source = (GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource)(kernel, signature, constexprs, attrs)
+    source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    source = source_type(kernel, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 

@@ -67,7 +67,8 @@ def copy_block(buffer, head, n0, hi, stride_n, rows, cols):
     """Keys n0 .. n0 + BLOCK_N of one head into `buffer` as one copy group; keys at or past hi read as 0."""
     keys = n0 + rows
     pointers = head + keys.to(gl.int64)[:, None] * stride_n + cols[None, :]
-    async_copy.async_copy_global_to_shared(buffer, pointers, mask=(keys < hi)[:, None] & (cols < buffer.shape[1])[None, :])
+    mask = (keys < hi)[:, None] & (cols < buffer.shape[1])[None, :]
+    async_copy.async_copy_global_to_shared(buffer, pointers, mask=mask)
     async_copy.commit_group()
 
 
