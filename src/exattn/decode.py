@@ -293,11 +293,13 @@ def choose_decode_backend(problem: DecodeProblem, backend: object) -> str:
 
 
 # Under-filled launches over at least this many keys run the Gluon split kernel on sm_90
-# (`gluon_decode.py`, its load schedule). Against the Triton kernel, 4 interleaved rounds
-# (decode-gluon-ab-h200.json): B = 8 1.009 / 1.006 / 1.002 / 1.001x at 128k / 64k / 32k / 16k and
-# 0.992x at 8k (0.998x in an earlier probe); B = 1 1.005 / 1.010 / 1.032x at 128k / 32k / 8k.
-# Below 16k the B = 8 loss decides; shorter sequences were not measured.
-GLUON_MIN_KEYS = 16384
+# (`gluon_decode.py`, its load schedule; contiguous caches only). Against the Triton kernel, 4
+# interleaved rounds (decode-gluon-ab-h200.json): B = 8 1.009 / 1.006 / 1.002 / 1.001x at
+# 128k / 64k / 32k / 16k and 0.992x at 8k; B = 1 1.005 / 1.010 / 1.032x at 128k / 32k / 8k. From
+# 16k in a full table (decode-h200-gluon16k.json), B = 1 16k read 1.07x cuDNN, but 16-key and
+# 256-key pages (the Triton kernel) only 0.94-0.95x of it: below 32k B = 8 gains nothing and
+# paged caches would fall under 0.95x contiguous.
+GLUON_MIN_KEYS = 32768
 
 # Sequences of at most this many key blocks are short: each split's few blocks are a chain of
 # dependent loads (length, page index, K/V), so more and shorter splits pay (`plan_launch`).
