@@ -102,29 +102,17 @@ def gpu_case(batch, len_q, capacity, dtype, seed):
     return q.to(dtype), k.to(dtype), v.to(dtype), lens
 
 
-def assert_matches_attention(name, out, lse, q, k, v, lens):
-    """Each sequence against the float64 oracle of causal attention over its keys, by the error rule in q's dtype."""
-    from error_rule import assert_matches_oracle
-    from exattn.reference import attention_ref
-
-    for b, length in enumerate(lens.tolist()):
-        args = (q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length])
-        ref_out, ref_lse = attention_ref(*args, causal=True, return_lse=True)
-        naive_out, naive_lse = exattn.attention(*args, causal=True, backend="naive", return_lse=True)
-        assert_matches_oracle(f"{name} out[{b}]", out[b:b + 1], naive_out, ref_out, q.dtype)
-        assert_matches_oracle(f"{name} lse[{b}]", lse[b:b + 1], naive_lse, ref_lse, q.dtype)
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=("bf16", "fp16"))
 @pytest.mark.parametrize("len_q", (1, 4))
 @pytest.mark.parametrize("num_splits", (1, 4, 7, 300))
 def test_gpu_matches_the_oracle(dtype, len_q, num_splits):
+    from test_decode import assert_matches_attention
+
     q, k, v, lens = gpu_case(3, len_q, 9000, dtype, seed=num_splits + len_q)
     assert not gd.gluon_decode_reasons(q, k, v, None)
     out, lse = gd.gluon_decode_forward(q, k, v, lens, 128 ** -0.5, num_splits)
-    assert out.dtype == dtype and lse.dtype == torch.float32
     assert_matches_attention(f"gluon {dtype} Nq={len_q} splits={num_splits}", out, lse, q, k, v, lens)
 
 

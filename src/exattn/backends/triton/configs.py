@@ -68,6 +68,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def gluon_device_reasons(device: torch.device) -> list[str]:
+    """Why the Gluon (sm_90) kernels cannot run on `device` (empty: they can)."""
+    if interpreting():
+        return ["TRITON_INTERPRET=1 is set: Gluon kernels do not run in Triton's interpreter"]
+    if device.type != "cuda":
+        return [f"needs CUDA tensors on an sm_90 GPU, got device {device}"]
+    if capability_of(device) != (9, 0):
+        return [f"needs an sm_90 GPU, got compute capability {capability_of(device)}"]
+    return []
+
+
 def ceil_div(a: int, b: int) -> int:
     """ceil(a / b) for host integers (`triton.cdiv` is a JIT function: microseconds per host call)."""
     return -(-a // b)

@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from . import decode_kernel
-from .configs import capability_of, ceil_div, interpreting, tma_compatible
+from .configs import ceil_div, gluon_device_reasons, tma_compatible
 from .gluon_forward import larger, plus
 
 BLOCK_N = 64
@@ -39,13 +39,7 @@ def gluon_decode_reasons(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """Every reason `gluon_decode_forward` cannot serve these inputs (empty if it can)."""
     from . import gluon_written_for_this_triton
 
-    reasons = []
-    if interpreting():
-        reasons.append("TRITON_INTERPRET=1 is set: Gluon kernels do not run in Triton's interpreter")
-    elif q.device.type != "cuda":
-        reasons.append(f"needs CUDA tensors on an sm_90 GPU, got device {q.device}")
-    elif capability_of(q.device) != (9, 0):
-        reasons.append(f"needs an sm_90 GPU, got compute capability {capability_of(q.device)}")
+    reasons = gluon_device_reasons(q.device)
     if not gluon_written_for_this_triton():
         reasons.append("the Gluon kernels are written for Triton 3.6")
     if q.dtype not in DTYPES:

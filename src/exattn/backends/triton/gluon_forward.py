@@ -46,7 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams
 from . import schedule
-from .configs import capability_of, ceil_div, device_index, interpreting, tma_compatible
+from .configs import ceil_div, device_index, gluon_device_reasons, tma_compatible
 from .passes import on_device, scalar_args
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
@@ -588,14 +588,7 @@ def broadcast_reasons(**tensors) -> list[str]:
 def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
                    params: AttentionParams) -> list[str]:
     """Every reason `gluon_forward` cannot serve these inputs (empty if it can)."""
-    reasons = []
-    if interpreting():
-        reasons.append("TRITON_INTERPRET=1 is set: Gluon kernels do not run in Triton's interpreter")
-    elif q.device.type != "cuda":
-        reasons.append(f"needs CUDA tensors on an sm_90 GPU, got device {q.device}")
-    elif capability_of(q.device) != (9, 0):
-        capability = capability_of(q.device)
-        reasons.append(f"needs an sm_90 GPU (wgmma), got compute capability {capability}")
+    reasons = gluon_device_reasons(q.device)
     if q.dtype not in DTYPES:
         reasons.append(f"dtype {q.dtype} is not float16 or bfloat16")
     if q.shape[-1] != v.shape[-1] or q.shape[-1] not in HEAD_DIMS:
