@@ -14,7 +14,7 @@ cuDNN's decode kernel uses (seen in its SASS): wait for K_j (V_j may still be in
 K_j's fragments into registers, issue K_{j+1} into the freed buffer, S_j and its softmax; wait
 for V_j, read its fragments, issue V_{j+1}, O += P_j V_j. About 32 KB stay in flight per
 program; deeper buffers (64 KB) and shallower ones (16 KB) read less
-(benchmarks/results/decode-gluon-depth-ab-h200.json).
+(benchmarks/results/decode-gluon-depth-ab-h200.json, decode-gluon-depth2-ab-h200.json).
 """
 
 from __future__ import annotations
