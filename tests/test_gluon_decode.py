@@ -94,11 +94,11 @@ def test_interpreter_decode_of_a_marked_plan_runs_the_triton_kernel(monkeypatch)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def gpu_case(batch, len_q, capacity, dtype, seed):
+def gpu_case(batch, len_q, capacity, dtype, seed, heads=(32, 8)):
     """`test_decode_gpu.make_case` (NaN past each length) in `dtype`."""
     from test_decode_gpu import make_case
 
-    q, k, v, lens = make_case(batch, 32, 8, len_q, capacity, 128, seed=seed)
+    q, k, v, lens = make_case(batch, *heads, len_q, capacity, 128, seed=seed)
     return q.to(dtype), k.to(dtype), v.to(dtype), lens
 
 
@@ -114,6 +114,17 @@ def test_gpu_matches_the_oracle(dtype, len_q, num_splits):
     assert not gd.gluon_decode_reasons(q, k, v, None)
     out, lse = gd.gluon_decode_forward(q, k, v, lens, 128 ** -0.5, num_splits)
     assert_matches_attention(f"gluon {dtype} Nq={len_q} splits={num_splits}", out, lse, q, k, v, lens)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("heads,len_q", [((8, 8), 3), ((64, 8), 2), ((16, 1), 1)], ids=("G1", "G8", "MQA"))
+def test_gpu_other_groups(heads, len_q):
+    from test_decode import assert_matches_attention
+
+    q, k, v, lens = gpu_case(2, len_q, 5000, torch.bfloat16, seed=len_q, heads=heads)
+    out, lse = gd.gluon_decode_forward(q, k, v, lens, 128 ** -0.5, 3)
+    assert_matches_attention(f"gluon heads={heads} Nq={len_q}", out, lse, q, k, v, lens)
 
 
 @pytest.mark.gpu
