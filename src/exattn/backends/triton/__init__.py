@@ -14,6 +14,8 @@ Non-default knobs (atomic dQ, TMA, the Gluon forward) live in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...problem import AttentionParams, AttentionProblem
@@ -84,7 +86,14 @@ def gluon_written_for_this_triton() -> bool:
     """Gluon is experimental and its API moves between releases: the kernel is written for 3.6."""
     import triton
 
-    return tuple(int(part) for part in triton.__version__.split(".")[:2]) == GLUON_TRITON
+    return major_minor(triton.__version__) == GLUON_TRITON
+
+
+@functools.lru_cache(maxsize=8)
+def major_minor(version: str) -> tuple[int, int]:
+    """(3, 6) of "3.6.0" or "3.6.1+git1234"."""
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
 
 
 def gluon_length_ok(min_len: dict[int, int], head_dim: int, len_q: int) -> bool:
