@@ -324,7 +324,9 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
     A split launch of more programs than SMs merges its splits in the split kernel
     (`merge_in_split`): B = 8, 1k-8k, 1.02-1.05x the combine kernel, 32k-128k level; B = 1
     with 32 splits (32k) 1.04x; with 16 splits (one program per SM; 1k-16k) 0.93-0.98x
-    (decode-fused-merge-vectorized-ab-h200.json)."""
+    (decode-fused-merge-vectorized-ab-h200.json). An under-filled launch over at least
+    GLUON_MIN_KEYS keys at D = Dv = 128 with at most 16 rows is marked `gluon`: on sm_90 the
+    Gluon split kernel serves it where `gluon_decode_reasons` allows, with the same splits."""
     from .backends.triton.decode_kernel import default_config, resident_per_sm
 
     row_blocks = math.ceil(rows / default_config(rows, head_dim, value_dim).block_m)
