@@ -95,6 +95,8 @@ def gluon_decode_split_kernel(
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     swizzled: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
 
+    # The split rule of decode_kernel.decode_split_kernel, written again in Gluon (a Gluon kernel
+    # cannot call a triton.jit function); the merge is decode_kernel's combine kernel itself.
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // heads_k
