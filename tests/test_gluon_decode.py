@@ -16,31 +16,52 @@ from test_triton_compile import RecordedLaunch, compile_for_sm90
 import exattn
 from exattn.backends.triton import decode_kernel
 from exattn.backends.triton import gluon_decode as gd
-from exattn.decode import GLUON_MIN_KEYS, plan_launch
+from exattn.decode import GLUON_FULL_MIN_KEYS, GLUON_FULL_SPLITS, GLUON_MIN_KEYS, plan_launch
 
 
-def compiled_kernel(dtype: torch.dtype, len_q: int, monkeypatch):
+def compiled_kernel(dtype: torch.dtype, len_q: int, monkeypatch, heads_q: int = 32, num_splits: int = 5,
+                    merge_in_split: bool = False):
     """The kernel as `gluon_decode_forward` launches it on CPU tensors, compiled for sm_90a."""
     kernel, recorder = gd.gluon_decode_split_kernel, RecordedLaunch()
     monkeypatch.setattr(gd, "gluon_decode_split_kernel", recorder)
     monkeypatch.setattr(decode_kernel, "decode_combine_kernel", RecordedLaunch())
-    q = torch.randn(3, 32, len_q, 128).to(dtype)
+    q = torch.randn(3, heads_q, len_q, 128).to(dtype)
     k, v = (torch.randn(3, 8, 4000, 128).to(dtype) for _ in range(2))
-    gd.gluon_decode_forward(q, k, v, torch.tensor([4000, 17, 2500], dtype=torch.int32), 0.1, 5)
+    gd.gluon_decode_forward(q, k, v, torch.tensor([4000, 17, 2500], dtype=torch.int32), 0.1, num_splits, merge_in_split)
     args, kwargs = recorder.calls[0]
     return compile_for_sm90(kernel, args, kwargs)
 
 
-@pytest.mark.parametrize("dtype,len_q", [(torch.bfloat16, 1), (torch.float16, 1), (torch.bfloat16, 4)])
-def test_compiles_for_sm90_with_one_buffer_per_tensor(dtype, len_q, tmp_path, monkeypatch):
-    kernel = compiled_kernel(dtype, len_q, monkeypatch)
+THREE_PER_SM_REGISTERS = 168  # 65536 registers / (3 programs * 128 threads), allocated in steps of 8
+
+
+@pytest.mark.parametrize("dtype,len_q,heads_q,num_splits,merge_in_split", [
+    (torch.bfloat16, 1, 32, 5, False), (torch.float16, 1, 32, 5, False), (torch.bfloat16, 4, 32, 5, False),
+    (torch.bfloat16, 1, 32, 5, True), (torch.float16, 1, 32, 8, True), (torch.bfloat16, 1, 8, 7, True),
+    (torch.bfloat16, 2, 64, 2, True), (torch.bfloat16, 1, 32, 9, True),
+])
+def test_compiles_for_sm90_with_one_buffer_per_tensor(dtype, len_q, heads_q, num_splits, merge_in_split, tmp_path,
+                                                      monkeypatch):
+    """3 programs an SM, with or without the merge (its rows and splits as `merge_shape` allows)."""
+    kernel = compiled_kernel(dtype, len_q, monkeypatch, heads_q, num_splits, merge_in_split)
     usage = resource_usage(kernel, tmp_path)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
+    assert usage["REG"] <= THREE_PER_SM_REGISTERS, f"fewer than 3 programs an SM: {usage}"
     block_bytes = gd.BLOCK_N * gd.HEAD_DIM * dtype.itemsize
     assert 2 * block_bytes <= kernel.metadata.shared < 3 * block_bytes <= HOPPER_SHARED_BYTES, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
     assert re.search(r"cp\.async\.wait_group\s+1;", ptx), "no longer waits for the older of two copy groups"
     assert "mma.sync.aligned.m16n8k16" in ptx
+    merges = merge_in_split and gd.merge_shape(heads_q // 8 * len_q, num_splits) is not None
+    assert bool(re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)) is merges, "arrival count"
+
+
+@pytest.mark.parametrize("rows,num_splits,shape", [
+    (4, 1, None), (4, 2, (4, 2)), (4, 8, (4, 8)), (4, 9, None), (1, 8, (4, 8)), (3, 5, (4, 8)),
+    (8, 4, (8, 4)), (8, 5, None), (16, 2, (16, 2)), (16, 3, None),
+])
+def test_merge_shape_takes_every_split_in_one_load(rows, num_splits, shape):
+    assert gd.merge_shape(rows, num_splits) == shape
 
 
 def test_reasons_name_every_refusal(monkeypatch):
@@ -63,14 +84,20 @@ def test_good_cpu_inputs_are_refused_only_for_the_device(interpret, words, monke
 
 
 @pytest.mark.parametrize("batch,rows,dims,context,expected", [
-    (8, 4, (128, 128), 131072, True), (1, 4, (128, 128), GLUON_MIN_KEYS, True), (8, 16, (128, 128), 32768, True),
-    (64, 4, (128, 128), 131072, False),  # fills the GPU unsplit: the Triton kernel's 2-stage plan
-    (1, 4, (128, 128), GLUON_MIN_KEYS - 1, False), (8, 4, (128, 128), GLUON_MIN_KEYS - 1, False),
-    (8, 32, (128, 128), 32768, False), (8, 4, (64, 64), 32768, False), (8, 4, (128, 64), 32768, False),
+    (8, 4, (128, 128), 131072, "plan"), (1, 4, (128, 128), GLUON_MIN_KEYS, "plan"),
+    (8, 16, (128, 128), 32768, "plan"),
+    (64, 4, (128, 128), GLUON_FULL_MIN_KEYS, GLUON_FULL_SPLITS),  # fills the GPU unsplit: its own split count
+    (64, 4, (128, 128), GLUON_FULL_MIN_KEYS - 1, 0), (64, 16, (128, 128), 131072, GLUON_FULL_SPLITS),
+    (1, 4, (128, 128), GLUON_MIN_KEYS - 1, 0), (8, 4, (128, 128), GLUON_MIN_KEYS - 1, 0),
+    (8, 32, (128, 128), 32768, 0), (64, 32, (128, 128), 131072, 0), (8, 4, (64, 64), 32768, 0),
+    (8, 4, (128, 64), 32768, 0), (64, 4, (128, 64), 131072, 0),
 ])
 def test_plan_marks_only_the_measured_launches(batch, rows, dims, context, expected):
-    config, _ = plan_launch(batch, 8, rows, *dims, context, 132)
-    assert config.gluon is expected
+    """Under-filled launches take the plan's own splits; a full one keeps 1 split for the Triton kernel."""
+    config, splits = plan_launch(batch, 8, rows, *dims, context, 132)
+    assert config.gluon_splits == (splits if expected == "plan" else expected)
+    if expected == "plan":
+        assert splits > 1
 
 
 # With a GPU, conftest leaves TRITON_INTERPRET unset and CPU tensors cannot reach a Triton kernel;
@@ -87,7 +114,7 @@ def test_interpreter_decode_of_a_marked_plan_runs_the_triton_kernel(monkeypatch)
     q = torch.randn(1, 4, 1, 128).to(torch.float16)
     k, v = (torch.randn(1, 1, GLUON_MIN_KEYS, 128).to(torch.float16) for _ in range(2))
     lens = torch.tensor([GLUON_MIN_KEYS - 5], dtype=torch.int32)
-    assert triton_plan(make_decode_problem(q, k, v, lens, None, None, 2, True))[0].gluon, "the plan no longer marks it"
+    assert triton_plan(make_decode_problem(q, k, v, lens, None, None, 2, True))[0].gluon_splits, "the plan no longer marks it"
     out = exattn.decode(q, k, v, cache_seqlens=lens, num_splits=2, backend="triton")
     ref = exattn.decode(q, k, v, cache_seqlens=lens, backend="tiled")
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-3)
@@ -111,37 +138,58 @@ def gpu_case(batch, len_q, capacity, dtype, seed, heads=(32, 8)):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=("bf16", "fp16"))
 @pytest.mark.parametrize("len_q", (1, 4))
 @pytest.mark.parametrize("num_splits", (1, 4, 7, 300))
-def test_gpu_matches_the_oracle(dtype, len_q, num_splits):
+@pytest.mark.parametrize("merge_in_split", (False, True), ids=("combine", "merge"))
+def test_gpu_matches_the_oracle(dtype, len_q, num_splits, merge_in_split, monkeypatch):
+    """Twice in a row where the split kernel merges: the last split to arrive must leave its counter at 0."""
     from test_decode import assert_matches_attention
 
     q, k, v, lens = gpu_case(3, len_q, 9000, dtype, seed=num_splits + len_q)
     assert not gd.gluon_decode_reasons(q, k, v, None)
-    out, lse = gd.gluon_decode_forward(q, k, v, lens, 128 ** -0.5, num_splits)
-    assert_matches_attention(f"gluon {dtype} Nq={len_q} splits={num_splits}", out, lse, q, k, v, lens)
+    combines = []
+    real = decode_kernel.combine_splits
+    monkeypatch.setattr(decode_kernel, "combine_splits", lambda *args: combines.append(1) or real(*args))
+    launched = min(num_splits, -(-9000 // gd.BLOCK_N))
+    merges = merge_in_split and gd.merge_shape(4 * len_q, launched) is not None
+    for call in range(1 + merges):
+        out, lse = gd.gluon_decode_forward(q, k, v, lens, 128 ** -0.5, num_splits, merge_in_split)
+        assert_matches_attention(f"gluon {dtype} Nq={len_q} splits={num_splits} merge={merges} call {call}",
+                                 out, lse, q, k, v, lens)
+    assert len(combines) == (0 if merges or launched == 1 else 1)
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("heads,len_q", [((8, 8), 3), ((64, 8), 2), ((16, 1), 1)], ids=("G1", "G8", "MQA"))
-def test_gpu_other_groups(heads, len_q):
+@pytest.mark.parametrize("heads,len_q", [((8, 8), 3), ((8, 8), 1), ((64, 8), 2), ((16, 1), 1)],
+                         ids=("G1", "G1-one-row", "G8", "MQA"))
+@pytest.mark.parametrize("merge_in_split", (False, True), ids=("combine", "merge"))
+@pytest.mark.parametrize("num_splits", (2, 3))
+def test_gpu_other_groups(heads, len_q, merge_in_split, num_splits):
+    """16 rows (G8, MQA) merge in the split kernel with 2 splits, the others with both counts."""
     from test_decode import assert_matches_attention
 
     q, k, v, lens = gpu_case(2, len_q, 5000, torch.bfloat16, seed=len_q, heads=heads)
-    out, lse = gd.gluon_decode_forward(q, k, v, lens, 128 ** -0.5, 3)
-    assert_matches_attention(f"gluon heads={heads} Nq={len_q}", out, lse, q, k, v, lens)
+    out, lse = gd.gluon_decode_forward(q, k, v, lens, 128 ** -0.5, num_splits, merge_in_split)
+    assert_matches_attention(f"gluon heads={heads} Nq={len_q} splits={num_splits} merge={merge_in_split}",
+                             out, lse, q, k, v, lens)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_decode_takes_the_gluon_path_and_agrees_with_triton(monkeypatch):
+@pytest.mark.parametrize("batch,capacity,splits", [(8, 2 * GLUON_MIN_KEYS, "plan"), (33, GLUON_FULL_MIN_KEYS, 4)],
+                         ids=("under-filled", "full"))
+def test_gpu_decode_takes_the_gluon_path_and_agrees_with_triton(batch, capacity, splits, monkeypatch):
+    """B = 33, Hk = 8 is 264 programs: a launch that fills the H200's 132 SMs unsplit."""
     from exattn.backends.triton.passes import settings
+    from exattn.decode import make_decode_problem, triton_plan
 
-    q, k, v, lens = gpu_case(8, 1, 2 * GLUON_MIN_KEYS, torch.bfloat16, seed=1)
+    q, k, v, lens = gpu_case(batch, 1, capacity, torch.bfloat16, seed=batch)
+    config, planned = triton_plan(make_decode_problem(q, k, v, lens, None, None, 0, True))
+    assert config.gluon_splits == (planned if splits == "plan" else splits)
     calls = []
     real = gd.gluon_decode_forward
-    monkeypatch.setattr(gd, "gluon_decode_forward", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(gd, "gluon_decode_forward", lambda *args: calls.append(args[-1]) or real(*args))
     out, lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True)
-    assert calls, "the plan's Gluon launch did not run"
+    assert calls == [config.gluon_splits], "the plan's Gluon launch did not run with its splits"
     monkeypatch.setattr(settings, "use_gluon", False)
     triton_out, triton_lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True)
     assert len(calls) == 1

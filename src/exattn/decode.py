@@ -301,6 +301,16 @@ def choose_decode_backend(problem: DecodeProblem, backend: object) -> str:
 # paged caches would fall under 0.95x contiguous.
 GLUON_MIN_KEYS = 32768
 
+# A launch that fills the GPU unsplit (B = 64, Hk = 8: 512 programs, one wave of the Triton kernel's
+# 2-stage configuration) runs the Gluon kernel from this many keys, in GLUON_FULL_SPLITS splits
+# (3 programs an SM; 2048 programs). Against that Triton wave, 6 interleaved rounds: 4 splits read
+# 1.007-1.009x at 64k and 128k, 1.002x at 32k, 0.986-0.963x at 16k-4k; 3, 6, 8 and 12 splits
+# 0.997-1.005x at 64k-128k; 2 splits 0.98x (decode-b64-gluon-splits-ab-h200.json,
+# decode-b64-gluon-splits2-ab-h200.json). Unsplit it runs 1.29 waves (0.87-0.91x), and capped at
+# 128 registers (4 an SM, one wave) 0.96-0.98x (decode-b64-gluon-ab-h200.json).
+GLUON_FULL_MIN_KEYS = 65536
+GLUON_FULL_SPLITS = 4
+
 # Sequences of at most this many key blocks are short: each split's few blocks are a chain of
 # dependent loads (length, page index, K/V), so more and shorter splits pay (`plan_launch`).
 SHORT_KEY_BLOCKS = 16
@@ -325,8 +335,9 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
     (`merge_in_split`): B = 8, 1k-8k, 1.02-1.05x the combine kernel, 32k-128k level; B = 1
     with 32 splits (32k) 1.04x; with 16 splits (one program per SM; 1k-16k) 0.93-0.98x
     (decode-fused-merge-vectorized-ab-h200.json). An under-filled launch over at least
-    GLUON_MIN_KEYS keys at D = Dv = 128 with at most 16 rows is marked `gluon`: on sm_90 the
-    Gluon split kernel serves it where `gluon_decode_reasons` allows, with the same splits."""
+    GLUON_MIN_KEYS keys at D = Dv = 128 with at most 16 rows is marked for the Gluon split kernel
+    with the same splits (`gluon_splits`), a full one from GLUON_FULL_MIN_KEYS keys with
+    GLUON_FULL_SPLITS; on sm_90 it serves them where `gluon_decode_reasons` allows."""
     from .backends.triton.decode_kernel import default_config, resident_per_sm
 
     row_blocks = math.ceil(rows / default_config(rows, head_dim, value_dim).block_m)
@@ -339,8 +350,19 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
     if not (fills_gpu or splits == 1 or key_blocks > SHORT_KEY_BLOCKS):
         config = default_config(rows, head_dim, value_dim, fills_gpu=True)
         splits = max(1, min(key_blocks, num_sms * resident_per_sm(config) // programs))
-    gluon = not fills_gpu and max_seqlen >= GLUON_MIN_KEYS and rows <= 16 and head_dim == value_dim == 128
-    return config._replace(merge_in_split=splits > 1 and programs * splits > num_sms, gluon=gluon), splits
+    merge_in_split = splits > 1 and programs * splits > num_sms
+    gluon_splits = gluon_split_count(fills_gpu, max_seqlen, rows, head_dim, value_dim, splits)
+    return config._replace(merge_in_split=merge_in_split, gluon_splits=gluon_splits), splits
+
+
+def gluon_split_count(fills_gpu: bool, max_seqlen: int, rows: int, head_dim: int, value_dim: int,
+                      splits: int) -> int:
+    """The Gluon split kernel's split count for a launch `plan_launch` plans (0: not marked)."""
+    if rows > 16 or head_dim != 128 or value_dim != 128:
+        return 0
+    if fills_gpu:
+        return GLUON_FULL_SPLITS if max_seqlen >= GLUON_FULL_MIN_KEYS else 0
+    return splits if max_seqlen >= GLUON_MIN_KEYS else 0
 
 
 def triton_plan(problem: DecodeProblem) -> tuple[DecodeConfig, int]:
@@ -359,12 +381,12 @@ def run_triton(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     from .backends.triton.passes import settings
 
     config, num_splits = triton_plan(problem)
-    if config.gluon and settings.use_gluon:
+    if config.gluon_splits and settings.use_gluon:
         from .backends.triton.gluon_decode import gluon_decode_forward, gluon_decode_reasons
 
         if not gluon_decode_reasons(problem.q, problem.k_cache, problem.v_cache, problem.block_table):
             return gluon_decode_forward(problem.q, problem.k_cache, problem.v_cache, problem.seqlens,
-                                        problem.scale, num_splits)
+                                        problem.scale, problem.num_splits or config.gluon_splits)
     return decode_kernel.decode_forward(
         problem.q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table,
         problem.scale, num_splits, config,

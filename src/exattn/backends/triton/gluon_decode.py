@@ -4,8 +4,9 @@
     gluon_decode_reasons(q, k_cache, v_cache, block_table) -> why it cannot serve (empty: it can)
 
 Same contract and split rule as `decode_kernel.decode_forward` (its partial results merged by
-the same combine kernel), for the launches `plan_launch` marks `gluon`: D = Dv = 128, up to
-16 query rows (G * Nq) per K/V head, fp16/bf16, contiguous caches.
+the same combine kernel), for the launches `plan_launch` marks with `gluon_splits` (long caches,
+under-filled or, split 4 ways, full): D = Dv = 128, up to 16 query rows (G * Nq) per K/V head,
+fp16/bf16, contiguous caches.
 
 What differs is when K/V bytes are asked for. The Triton kernel's software pipeline keeps two
 64-key blocks of K and V in flight and issues a block's copies after the block's arithmetic.
@@ -25,12 +26,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from . import decode_kernel
-from .configs import ceil_div, gluon_device_reasons, tma_compatible
+from .configs import ceil_div, gluon_device_reasons, next_power_of_two, tma_compatible
 from .gluon_forward import larger, plus
 
 BLOCK_N = 64
 ROWS = 16  # query rows one program carries (G * Nq padded to the mma's 16)
 HEAD_DIM = 128
+# float32 partial outputs of the merge in the split kernel (`merge_shape`): 32 a thread, its rows
+# spread over the 4 warps; more raise the kernel's 164 registers.
+MERGE_ELEMENTS = 4096
 DTYPES = (torch.float16, torch.bfloat16)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
@@ -81,6 +85,37 @@ def fragments(buffer, layout: gl.constexpr, transpose: gl.constexpr):
 
 
 @gluon.jit
+def merge_splits(PART_OUT, PART_LSE, OUT, LSE, first_row, rows_valid, num_splits,
+                 HEAD_DIM: gl.constexpr, MERGE_ROWS: gl.constexpr, MERGE_SPLITS: gl.constexpr):
+    """`decode_kernel._merge_splits` in Gluon, every split in one load (`merges_in_split`): rows
+    first_row + [0, rows_valid) (one K/V head's group, consecutive rows of OUT) from (lse_s, out_s)."""
+    tile: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [4, 1, 1], [2, 1, 0])  # rows, splits, dims
+    row_split: gl.constexpr = gl.SliceLayout(2, tile)
+    row_dim: gl.constexpr = gl.SliceLayout(1, tile)
+    rows = gl.arange(0, MERGE_ROWS, gl.SliceLayout(1, row_split))
+    splits = gl.arange(0, MERGE_SPLITS, gl.SliceLayout(0, row_split))
+    dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, row_dim))
+    part = (first_row + rows).to(gl.int64)[:, None] * num_splits + splits[None, :]
+    ok = (rows < rows_valid)[:, None] & (splits < num_splits)[None, :]
+    part_lse = gl.load(PART_LSE + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    part_out = gl.load(PART_OUT + gl.expand_dims(part, 2) * HEAD_DIM + dims[None, None, :],
+                       mask=gl.expand_dims(ok, 2), other=0.0, cache_modifier=".cg")
+    m = gl.reduce(part_lse, 1, larger)
+    m_safe = gl.where(m == float("-inf"), 0.0, m)
+    weight = gl.exp(part_lse - m_safe[:, None])
+    total = gl.reduce(weight, 1, plus)
+    acc = gl.reduce(gl.expand_dims(weight, 2) * part_out, 1, plus)
+    has_mass = total != 0.0
+    safe_total = gl.where(has_mass, total, 1.0)
+    gl.store(LSE + first_row + rows, gl.where(has_mass, m_safe + gl.log(safe_total), float("-inf")),
+             mask=rows < rows_valid)
+    scale = gl.convert_layout(gl.where(has_mass, 1.0 / safe_total, 0.0), gl.SliceLayout(1, row_dim))
+    out_rows = gl.arange(0, MERGE_ROWS, gl.SliceLayout(1, row_dim))
+    gl.store(OUT + (first_row + out_rows).to(gl.int64)[:, None] * HEAD_DIM + dims[None, :],
+             (acc * scale[:, None]).to(OUT.dtype.element_ty), mask=(out_rows < rows_valid)[:, None])
+
+
+@gluon.jit
 def gluon_decode_split_kernel(
     Q, K, V, SEQLENS, OUT, LSE,
     stride_qb, stride_qh, stride_qt,
@@ -88,6 +123,8 @@ def gluon_decode_split_kernel(
     stride_vb, stride_vh, stride_vn,
     heads_k, group, len_q, num_splits, qk_scale,
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+    FINAL_OUT=None, FINAL_LSE=None, ARRIVALS=None,
+    MERGE_ROWS: gl.constexpr = 0, MERGE_SPLITS: gl.constexpr = 0,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
     operand_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -154,20 +191,41 @@ def gluon_decode_split_kernel(
     gl.store(OUT + out_row[:, None] * HEAD_DIM + out_cols[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None])
     gl.store(LSE + out_row, lse, mask=row_ok)
+    if MERGE_ROWS > 0:
+        # As in decode_kernel.decode_split_kernel: the last split of the group to arrive merges them.
+        gl.thread_barrier()
+        if gl.atomic_add(ARRIVALS + pid, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            gl.atomic_xchg(ARRIVALS + pid, 0)
+            merge_splits(OUT, LSE, FINAL_OUT, FINAL_LSE, (b * heads_k + hk) * group * len_q, group * len_q,
+                         num_splits, HEAD_DIM, MERGE_ROWS, MERGE_SPLITS)
 
 
-def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits):
-    """`decode_kernel.decode_forward` for inputs `gluon_decode_reasons` accepts (contiguous caches)."""
+def merge_shape(rows: int, num_splits: int) -> tuple[int, int] | None:
+    """(MERGE_ROWS, MERGE_SPLITS) where the last split of a group of `rows` query rows merges the
+    group in the split kernel: its splits' partial outputs fit one load of MERGE_ELEMENTS. Else None,
+    and the combine kernel merges (at B = 1, 32 splits merged in four loads read 0.98x it;
+    decode-gluon-merge-four-loads-ab-h200.json)."""
+    shape = (max(next_power_of_two(rows), 4), next_power_of_two(num_splits))
+    return shape if num_splits > 1 and shape[0] * shape[1] * HEAD_DIM <= MERGE_ELEMENTS else None
+
+
+def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits, merge_in_split=True):
+    """`decode_kernel.decode_forward` for inputs `gluon_decode_reasons` accepts (contiguous caches).
+    `merge_in_split`: merge in the split kernel where `merge_shape` allows."""
     batch, heads_q, len_q, head_dim = q.shape
     heads_k = k_cache.shape[1]
     num_splits = min(num_splits, ceil_div(k_cache.shape[2], BLOCK_N), 65535)
     out, lse, part_out, part_lse = decode_kernel.split_outputs(q, head_dim, num_splits)
+    shape = merge_shape(heads_q // heads_k * len_q, num_splits) if merge_in_split else None
+    merge = {} if shape is None else dict(
+        FINAL_OUT=out, FINAL_LSE=lse, ARRIVALS=decode_kernel.arrival_counters(batch * heads_k, q.device),
+        MERGE_ROWS=shape[0], MERGE_SPLITS=shape[1])
     gluon_decode_split_kernel[(batch * heads_k, num_splits)](
         q, k_cache, v_cache, seqlens.contiguous(), part_out, part_lse,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         heads_k, heads_q // heads_k, len_q, num_splits, scale * decode_kernel.LOG2E,
-        HEAD_DIM=head_dim, ROWS=ROWS, BLOCK_N=BLOCK_N, num_warps=4,
+        HEAD_DIM=head_dim, ROWS=ROWS, BLOCK_N=BLOCK_N, num_warps=4, **merge,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         decode_kernel.combine_splits(part_out, part_lse, out, lse, heads_k)
     return out, lse
