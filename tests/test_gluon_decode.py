@@ -98,6 +98,8 @@ def test_plan_marks_only_the_measured_launches(batch, rows, dims, context, expec
     assert config.gluon_splits == (splits if expected == "plan" else expected)
     if expected == "plan":
         assert splits > 1
+    elif batch == 64:
+        assert splits == 1, "the Triton kernel's plan for a full launch changed"
 
 
 # With a GPU, conftest leaves TRITON_INTERPRET unset and CPU tensors cannot reach a Triton kernel;
@@ -114,7 +116,8 @@ def test_interpreter_decode_of_a_marked_plan_runs_the_triton_kernel(monkeypatch)
     q = torch.randn(1, 4, 1, 128).to(torch.float16)
     k, v = (torch.randn(1, 1, GLUON_MIN_KEYS, 128).to(torch.float16) for _ in range(2))
     lens = torch.tensor([GLUON_MIN_KEYS - 5], dtype=torch.int32)
-    assert triton_plan(make_decode_problem(q, k, v, lens, None, None, 2, True))[0].gluon_splits, "the plan no longer marks it"
+    config, _ = triton_plan(make_decode_problem(q, k, v, lens, None, None, 2, True))
+    assert config.gluon_splits, "the plan no longer marks it"
     out = exattn.decode(q, k, v, cache_seqlens=lens, num_splits=2, backend="triton")
     ref = exattn.decode(q, k, v, cache_seqlens=lens, backend="tiled")
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-3)

@@ -87,8 +87,9 @@ def fragments(buffer, layout: gl.constexpr, transpose: gl.constexpr):
 @gluon.jit
 def merge_splits(PART_OUT, PART_LSE, OUT, LSE, first_row, rows_valid, num_splits,
                  HEAD_DIM: gl.constexpr, MERGE_ROWS: gl.constexpr, MERGE_SPLITS: gl.constexpr):
-    """`decode_kernel._merge_splits` in Gluon, every split in one load (`merges_in_split`): rows
-    first_row + [0, rows_valid) (one K/V head's group, consecutive rows of OUT) from (lse_s, out_s)."""
+    """`decode_kernel._merge_splits` written in Gluon (a Gluon kernel cannot call a triton.jit
+    function), every split in one load (`merge_shape`): rows first_row + [0, rows_valid) (one K/V
+    head's group, consecutive rows of OUT) from (lse_s, out_s)."""
     tile: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [4, 1, 1], [2, 1, 0])  # rows, splits, dims
     row_split: gl.constexpr = gl.SliceLayout(2, tile)
     row_dim: gl.constexpr = gl.SliceLayout(1, tile)
