@@ -1,6 +1,6 @@
 """The Gluon (sm_90) decode split kernel: compiled for Hopper on the CPU, and against the oracle on
-the GPU (-m gpu). CPU (CI): it compiles without spills, keeps one K and one V buffer with one copy
-group in flight behind the one it waits for, and `gluon_decode_reasons` names every refusal;
+the GPU (-m gpu). CPU (CI): it compiles without spills, 4 programs an SM with one new token, one K
+and one V slot filled by TMA copies, and `gluon_decode_reasons` names every refusal;
 `plan_launch` marks only the launches it was measured on. GPU: ragged lengths with NaN beyond them,
 Nq up to 4, split counts from 1 to more than there are key blocks, fp16 and bf16, CUDA graphs."""
 
@@ -16,44 +16,63 @@ from test_triton_compile import RecordedLaunch, compile_for_sm90
 import exattn
 from exattn.backends.triton import decode_kernel
 from exattn.backends.triton import gluon_decode as gd
-from exattn.decode import GLUON_FULL_MIN_KEYS, GLUON_FULL_SPLITS, GLUON_MIN_KEYS, plan_launch
+from exattn.decode import GLUON_FULL_MIN_KEYS, GLUON_MIN_KEYS, plan_launch
+
+
+SPLIT_KERNEL = gd.gluon_decode_split_kernel
 
 
 def compiled_kernel(dtype: torch.dtype, len_q: int, monkeypatch, heads_q: int = 32, num_splits: int = 5,
-                    merge_in_split: bool = False):
+                    merge_in_split: bool = False, options: dict | None = None):
     """The kernel as `gluon_decode_forward` launches it on CPU tensors, compiled for sm_90a."""
-    kernel, recorder = gd.gluon_decode_split_kernel, RecordedLaunch()
+    kernel, recorder = SPLIT_KERNEL, RecordedLaunch()
     monkeypatch.setattr(gd, "gluon_decode_split_kernel", recorder)
     monkeypatch.setattr(decode_kernel, "decode_combine_kernel", RecordedLaunch())
     q = torch.randn(3, heads_q, len_q, 128).to(dtype)
     k, v = (torch.randn(3, 8, 4000, 128).to(dtype) for _ in range(2))
     gd.gluon_decode_forward(q, k, v, torch.tensor([4000, 17, 2500], dtype=torch.int32), 0.1, num_splits, merge_in_split)
     args, kwargs = recorder.calls[0]
-    return compile_for_sm90(kernel, args, kwargs)
+    return compile_for_sm90(kernel, args, {**kwargs, **(options or {})})
 
 
 THREE_PER_SM_REGISTERS = 168  # 65536 registers / (3 programs * 128 threads), allocated in steps of 8
 
 
 @pytest.mark.parametrize("dtype,len_q,heads_q,num_splits,merge_in_split", [
-    (torch.bfloat16, 1, 32, 5, False), (torch.float16, 1, 32, 5, False), (torch.bfloat16, 4, 32, 5, False),
+    (torch.bfloat16, 1, 32, 1, False), (torch.float16, 1, 32, 5, False), (torch.bfloat16, 4, 32, 5, False),
     (torch.bfloat16, 1, 32, 5, True), (torch.float16, 1, 32, 8, True), (torch.bfloat16, 1, 8, 7, True),
     (torch.bfloat16, 2, 64, 2, True), (torch.bfloat16, 1, 32, 9, True),
 ])
-def test_compiles_for_sm90_with_one_buffer_per_tensor(dtype, len_q, heads_q, num_splits, merge_in_split, tmp_path,
-                                                      monkeypatch):
-    """3 programs an SM, with or without the merge (its rows and splits as `merge_shape` allows)."""
+def test_compiles_for_sm90_with_one_tma_slot_per_tensor(dtype, len_q, heads_q, num_splits, merge_in_split,
+                                                         tmp_path, monkeypatch):
+    """One new token: 4 programs an SM uncapped. Nq > 1: 3 uncapped, and 4 under `register_cap`'s
+    option with at most the 16 bytes of spill its comment names."""
     kernel = compiled_kernel(dtype, len_q, monkeypatch, heads_q, num_splits, merge_in_split)
     usage = resource_usage(kernel, tmp_path)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
-    assert usage["REG"] <= THREE_PER_SM_REGISTERS, f"fewer than 3 programs an SM: {usage}"
+    limit = gd.FOUR_PER_SM_REGISTERS if len_q == 1 else THREE_PER_SM_REGISTERS
+    assert usage["REG"] <= limit, f"fewer programs an SM than the plan counts on: {usage}"
     block_bytes = gd.BLOCK_N * gd.HEAD_DIM * dtype.itemsize
     assert 2 * block_bytes <= kernel.metadata.shared < 3 * block_bytes <= HOPPER_SHARED_BYTES, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
-    assert re.search(r"cp\.async\.wait_group\s+1;", ptx), "no longer waits for the older of two copy groups"
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx, "K/V no longer arrive by TMA"
+    assert "cp.async.wait_group" not in ptx
     assert "mma.sync.aligned.m16n8k16" in ptx
     merges = merge_in_split and gd.merge_shape(heads_q // 8 * len_q, num_splits) is not None
     assert bool(re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)) is merges, "arrival count"
+    if len_q > 1:
+        capped = compiled_kernel(dtype, len_q, monkeypatch, heads_q, num_splits, merge_in_split,
+                                 options={"maxnreg": gd.FOUR_PER_SM_REGISTERS})
+        usage = resource_usage(capped, tmp_path)
+        assert usage["REG"] <= gd.FOUR_PER_SM_REGISTERS and usage["LOCAL"] == 0 and usage["STACK"] <= 16, usage
+
+
+def test_register_cap_applies_only_past_three_programs_an_sm(monkeypatch):
+    monkeypatch.setattr(gd, "multiprocessor_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert gd.register_cap(3 * 132, cuda) == {}
+    assert gd.register_cap(3 * 132 + 1, cuda) == {"maxnreg": gd.FOUR_PER_SM_REGISTERS}
+    assert gd.register_cap(10**6, torch.device("cpu")) == {}
 
 
 @pytest.mark.parametrize("rows,num_splits,shape", [
@@ -83,23 +102,21 @@ def test_good_cpu_inputs_are_refused_only_for_the_device(interpret, words, monke
     assert len(reasons) == 1 and words in reasons[0], reasons
 
 
-@pytest.mark.parametrize("batch,rows,dims,context,expected", [
-    (8, 4, (128, 128), 131072, "plan"), (1, 4, (128, 128), GLUON_MIN_KEYS, "plan"),
-    (8, 16, (128, 128), 32768, "plan"),
-    (64, 4, (128, 128), GLUON_FULL_MIN_KEYS, GLUON_FULL_SPLITS),  # fills the GPU unsplit: its own split count
-    (64, 4, (128, 128), GLUON_FULL_MIN_KEYS - 1, 0), (64, 16, (128, 128), 131072, GLUON_FULL_SPLITS),
-    (1, 4, (128, 128), GLUON_MIN_KEYS - 1, 0), (8, 4, (128, 128), GLUON_MIN_KEYS - 1, 0),
-    (8, 32, (128, 128), 32768, 0), (64, 32, (128, 128), 131072, 0), (8, 4, (64, 64), 32768, 0),
-    (8, 4, (128, 64), 32768, 0), (64, 4, (128, 64), 131072, 0),
+@pytest.mark.parametrize("batch,rows,dims,context,marked", [
+    (8, 4, (128, 128), 131072, True), (1, 4, (128, 128), GLUON_MIN_KEYS, True), (8, 16, (128, 128), 32768, True),
+    (64, 4, (128, 128), GLUON_FULL_MIN_KEYS, True), (64, 8, (128, 128), 131072, True),
+    (64, 16, (128, 128), 131072, False),
+    (64, 4, (128, 128), GLUON_FULL_MIN_KEYS - 1, False),
+    (1, 4, (128, 128), GLUON_MIN_KEYS - 1, False), (8, 4, (128, 128), GLUON_MIN_KEYS - 1, False),
+    (8, 32, (128, 128), 32768, False), (64, 32, (128, 128), 131072, False), (8, 4, (64, 64), 32768, False),
+    (8, 4, (128, 64), 32768, False), (64, 4, (128, 64), 131072, False),
 ])
-def test_plan_marks_only_the_measured_launches(batch, rows, dims, context, expected):
-    """Under-filled launches take the plan's own splits; a full one keeps 1 split for the Triton kernel."""
+def test_plan_marks_only_the_measured_launches(batch, rows, dims, context, marked):
+    """Both kernels take the plan's splits: several for an under-filled launch, 1 for B = 64."""
     config, splits = plan_launch(batch, 8, rows, *dims, context, 132)
-    assert config.gluon_splits == (splits if expected == "plan" else expected)
-    if expected == "plan":
-        assert splits > 1
-    elif batch == 64:
-        assert splits == 1, "the Triton kernel's plan for a full launch changed"
+    assert config.gluon is marked
+    if marked:
+        assert (splits > 1) is (batch < 64)
 
 
 # With a GPU, conftest leaves TRITON_INTERPRET unset and CPU tensors cannot reach a Triton kernel;
@@ -117,7 +134,7 @@ def test_interpreter_decode_of_a_marked_plan_runs_the_triton_kernel(monkeypatch)
     k, v = (torch.randn(1, 1, GLUON_MIN_KEYS, 128).to(torch.float16) for _ in range(2))
     lens = torch.tensor([GLUON_MIN_KEYS - 5], dtype=torch.int32)
     config, _ = triton_plan(make_decode_problem(q, k, v, lens, None, None, 2, True))
-    assert config.gluon_splits, "the plan no longer marks it"
+    assert config.gluon, "the plan no longer marks it"
     out = exattn.decode(q, k, v, cache_seqlens=lens, num_splits=2, backend="triton")
     ref = exattn.decode(q, k, v, cache_seqlens=lens, backend="tiled")
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-3)
@@ -178,21 +195,34 @@ def test_gpu_other_groups(heads, len_q, merge_in_split, num_splits):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("batch,capacity,splits", [(8, 2 * GLUON_MIN_KEYS, "plan"), (33, GLUON_FULL_MIN_KEYS, 4)],
-                         ids=("under-filled", "full"))
-def test_gpu_decode_takes_the_gluon_path_and_agrees_with_triton(batch, capacity, splits, monkeypatch):
-    """B = 33, Hk = 8 is 264 programs: a launch that fills the H200's 132 SMs unsplit."""
+def test_gpu_capped_launch_of_several_new_tokens_matches_the_oracle():
+    """400 programs (more than 3 an SM) with Nq = 4: the kernel runs under `register_cap`'s option."""
+    from test_decode import assert_matches_attention
+
+    q, k, v, lens = gpu_case(50, 4, 3000, torch.bfloat16, seed=9)
+    assert gd.register_cap(50 * 8, q.device), "the launch is not capped"
+    out, lse = gd.gluon_decode_forward(q, k, v, lens, 128 ** -0.5, 1)
+    assert_matches_attention("gluon capped B=50 Nq=4", out, lse, q, k, v, lens)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch,capacity", [(8, 2 * GLUON_MIN_KEYS), (33, GLUON_FULL_MIN_KEYS + 100),
+                                            (50, 3000)], ids=("under-filled", "full", "four-an-sm"))
+def test_gpu_decode_takes_the_gluon_path_and_agrees_with_triton(batch, capacity, monkeypatch):
+    """B = 33, Hk = 8 is 264 programs: a launch that fills the H200's 132 SMs unsplit; B = 50 is 400,
+    more than 3 an SM (`register_cap`)."""
     from exattn.backends.triton.passes import settings
     from exattn.decode import make_decode_problem, triton_plan
 
     q, k, v, lens = gpu_case(batch, 1, capacity, torch.bfloat16, seed=batch)
     config, planned = triton_plan(make_decode_problem(q, k, v, lens, None, None, 0, True))
-    assert config.gluon_splits == (planned if splits == "plan" else splits)
+    assert config.gluon
     calls = []
     real = gd.gluon_decode_forward
     monkeypatch.setattr(gd, "gluon_decode_forward", lambda *args: calls.append(args[-1]) or real(*args))
     out, lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True)
-    assert calls == [config.gluon_splits], "the plan's Gluon launch did not run with its splits"
+    assert calls == [planned], "the plan's Gluon launch did not run with its splits"
     monkeypatch.setattr(settings, "use_gluon", False)
     triton_out, triton_lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True)
     assert len(calls) == 1

@@ -248,11 +248,6 @@ def plan_splits(
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.95 * best)
 
 
-@functools.lru_cache(maxsize=None)
-def multiprocessor_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def split_chunk(longest: int, num_splits: int, align: int) -> int:
     """Keys per split: ceil(longest / num_splits), rounded up to a multiple of `align`."""
     chunk = math.ceil(longest / num_splits)
@@ -293,23 +288,24 @@ def choose_decode_backend(problem: DecodeProblem, backend: object) -> str:
 
 
 # Under-filled launches over at least this many keys run the Gluon split kernel on sm_90
-# (`gluon_decode.py`, its load schedule; contiguous caches only). Against the Triton kernel, 4
-# interleaved rounds (decode-gluon-ab-h200.json): B = 8 1.009 / 1.006 / 1.002 / 1.001x at
-# 128k / 64k / 32k / 16k and 0.992x at 8k; B = 1 1.005 / 1.010 / 1.032x at 128k / 32k / 8k. From
-# 16k in a full table (decode-h200-gluon16k.json), B = 1 16k read 1.07x cuDNN, but 16-key and
-# 256-key pages (the Triton kernel) only 0.94-0.95x of it: below 32k B = 8 gains nothing and
-# paged caches would fall under 0.95x contiguous.
+# (`gluon_decode.py`, its load schedule; contiguous caches only). 5 interleaved rounds, the plan's
+# splits (decode-gluon-tma-ab-h200.json): at 8k 1.078x (B = 1) and 1.028x (B = 8) the Triton kernel;
+# from 32k (B = 1 and 8) 0.9995-1.018x the Gluon kernel it replaced, which read 1.001-1.010x the
+# Triton kernel (decode-gluon-ab-h200.json). Below 32k paged caches (the Triton kernel) would fall
+# under 0.95x contiguous: B = 1 16-key pages read 0.968-0.983x the Triton kernel's contiguous speed
+# at 8k-16k (decode-h200-session18.json), so 0.90-0.92x a 1.078x faster contiguous path.
 GLUON_MIN_KEYS = 32768
 
-# A launch that fills the GPU unsplit (B = 64, Hk = 8: 512 programs, one wave of the Triton kernel's
-# 2-stage configuration) runs the Gluon kernel from this many keys, in GLUON_FULL_SPLITS splits
-# (3 programs an SM; 2048 programs). Against that Triton wave, 6 interleaved rounds: 4 splits read
-# 1.007-1.009x at 64k and 128k, 1.002x at 32k, 0.986-0.963x at 16k-4k; 3, 6, 8 and 12 splits
-# 0.997-1.005x at 64k-128k; 2 splits 0.98x (decode-b64-gluon-splits-ab-h200.json,
-# decode-b64-gluon-splits2-ab-h200.json). Unsplit it runs 1.29 waves (0.87-0.91x), and capped at
-# 128 registers (4 an SM, one wave) 0.96-0.98x (decode-b64-gluon-ab-h200.json).
-GLUON_FULL_MIN_KEYS = 65536
-GLUON_FULL_SPLITS = 4
+# A launch that fills the GPU (B = 64, Hk = 8: 512 programs) of at most GLUON_FULL_MAX_ROWS rows runs
+# the Gluon kernel from GLUON_FULL_MIN_KEYS keys, with the Triton kernel's splits: both fit 4
+# programs an SM, so B = 64 runs unsplit in one wave. Against that Triton wave, 5 interleaved rounds
+# (decode-gluon-tma-b64-ab-h200.json, two machines): Nq = 1 1.017x at 1k, 1.010-1.014x at 2k,
+# 1.006-1.010x at 4k, 1.006x at 8k-16k, 1.004x at 32k, 0.998-1.002x at 64k-128k; Nq = 2 (8 rows) 1.001x at 8k;
+# Nq = 4 (16 rows, capped at 128 registers) 0.993 / 0.999x at 4k / 32k, so 16 rows stay on Triton.
+# From 2k: with the Gluon kernel at 1k (decode-h200-gluon1k.json) 16-key and 256-key pages (the
+# Triton kernel) read 0.951-0.966x contiguous.
+GLUON_FULL_MIN_KEYS = 2048
+GLUON_FULL_MAX_ROWS = 8
 
 # Sequences of at most this many key blocks are short: each split's few blocks are a chain of
 # dependent loads (length, page index, K/V), so more and shorter splits pay (`plan_launch`).
@@ -336,8 +332,9 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
     with 32 splits (32k) 1.04x; with 16 splits (one program per SM; 1k-16k) 0.93-0.98x
     (decode-fused-merge-vectorized-ab-h200.json). An under-filled launch over at least
     GLUON_MIN_KEYS keys at D = Dv = 128 with at most 16 rows is marked for the Gluon split kernel
-    with the same splits (`gluon_splits`), a full one from GLUON_FULL_MIN_KEYS keys with
-    GLUON_FULL_SPLITS; on sm_90 it serves them where `gluon_decode_reasons` allows."""
+    (`gluon`), a full one of at most GLUON_FULL_MAX_ROWS rows from GLUON_FULL_MIN_KEYS keys; it
+    takes the same splits, and on sm_90
+    serves them where `gluon_decode_reasons` allows."""
     from .backends.triton.decode_kernel import default_config, resident_per_sm
 
     row_blocks = math.ceil(rows / default_config(rows, head_dim, value_dim).block_m)
@@ -351,24 +348,23 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
         config = default_config(rows, head_dim, value_dim, fills_gpu=True)
         splits = max(1, min(key_blocks, num_sms * resident_per_sm(config) // programs))
     merge_in_split = splits > 1 and programs * splits > num_sms
-    gluon_splits = gluon_split_count(fills_gpu, max_seqlen, rows, head_dim, value_dim, splits)
-    return config._replace(merge_in_split=merge_in_split, gluon_splits=gluon_splits), splits
+    gluon = gluon_marks(fills_gpu, max_seqlen, rows, head_dim, value_dim)
+    return config._replace(merge_in_split=merge_in_split, gluon=gluon), splits
 
 
-def gluon_split_count(fills_gpu: bool, max_seqlen: int, rows: int, head_dim: int, value_dim: int,
-                      splits: int) -> int:
-    """The Gluon split kernel's split count for a launch `plan_launch` plans (0: not marked)."""
-    if rows > 16 or head_dim != 128 or value_dim != 128:
-        return 0
-    if fills_gpu:
-        return GLUON_FULL_SPLITS if max_seqlen >= GLUON_FULL_MIN_KEYS else 0
-    return splits if max_seqlen >= GLUON_MIN_KEYS else 0
+def gluon_marks(fills_gpu: bool, max_seqlen: int, rows: int, head_dim: int, value_dim: int) -> bool:
+    """Whether a launch `plan_launch` plans is marked for the Gluon split kernel."""
+    if rows > (GLUON_FULL_MAX_ROWS if fills_gpu else 16) or head_dim != 128 or value_dim != 128:
+        return False
+    return max_seqlen >= (GLUON_FULL_MIN_KEYS if fills_gpu else GLUON_MIN_KEYS)
 
 
 def triton_plan(problem: DecodeProblem) -> tuple[DecodeConfig, int]:
     """The split kernel's configuration and split count (`problem.num_splits`, or planned if 0)."""
+    from .backends.triton.configs import multiprocessor_count
+
     q = problem.q
-    num_sms = multiprocessor_count(q.device.index or 0) if q.is_cuda else 1
+    num_sms = multiprocessor_count(q.device) if q.is_cuda else 1
     heads_k = problem.k_cache.shape[1]
     rows = (q.shape[1] // heads_k) * q.shape[2]
     config, planned = plan_launch(q.shape[0], heads_k, rows, q.shape[3], problem.v_cache.shape[3],
@@ -381,12 +377,12 @@ def run_triton(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     from .backends.triton.passes import settings
 
     config, num_splits = triton_plan(problem)
-    if config.gluon_splits and settings.use_gluon:
+    if config.gluon and settings.use_gluon:
         from .backends.triton.gluon_decode import gluon_decode_forward, gluon_decode_reasons
 
         if not gluon_decode_reasons(problem.q, problem.k_cache, problem.v_cache, problem.block_table):
             return gluon_decode_forward(problem.q, problem.k_cache, problem.v_cache, problem.seqlens,
-                                        problem.scale, problem.num_splits or config.gluon_splits)
+                                        problem.scale, num_splits)
     return decode_kernel.decode_forward(
         problem.q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table,
         problem.scale, num_splits, config,

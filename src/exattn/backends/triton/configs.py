@@ -63,6 +63,16 @@ def capability_of(device: torch.device) -> tuple[int, int]:
     return device_capability(device_index(device))
 
 
+@functools.cache
+def device_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs of CUDA device `device` (cached: it is on every launch's host path)."""
+    return device_multiprocessors(device_index(device))
+
+
 def interpreting() -> bool:
     """True when TRITON_INTERPRET=1: kernels run on the CPU through Triton's interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

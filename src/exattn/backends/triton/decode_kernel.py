@@ -49,15 +49,14 @@ MAX_ROWS = 64  # query rows (G * Nq) one program carries; more rows add row bloc
 class DecodeConfig(NamedTuple):
     """merge_in_split: with several splits, the last split of each group to finish merges the
     group's partial results (`_merge_splits`) instead of a second kernel (`plan_launch` decides).
-    gluon_splits: on sm_90, the Gluon split kernel (`gluon_decode.py`) serves the launch where it
-    can, in this many splits (0: the launch is not marked for it)."""
+    gluon: on sm_90, the Gluon split kernel (`gluon_decode.py`) serves the launch where it can."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     merge_in_split: bool = False
-    gluon_splits: int = 0
+    gluon: bool = False
 
 
 def default_config(rows: int, head_dim: int, value_dim: int, fills_gpu: bool = False) -> DecodeConfig:

@@ -69,7 +69,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams, check_accumulators
 from . import schedule
-from .configs import ceil_div, tma_compatible
+from .configs import ceil_div, multiprocessor_count, tma_compatible
 from .dq_order import dq_rank, load_early, settle_dq, sweep_start, sweep_tile, wait_turn
 from .gluon_forward import (
     CONSUMER_REGS,
@@ -84,7 +84,6 @@ from .gluon_forward import (
     key_tiles,
     load_partition,
     longest_first,
-    multiprocessor_count,
     paired_cast,
     program_id_again,
     release,

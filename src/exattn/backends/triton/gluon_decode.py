@@ -1,21 +1,23 @@
-"""Split-KV decode for Hopper (sm_90) in Gluon, for long contiguous caches.
+"""Split-KV decode for Hopper (sm_90) in Gluon, for contiguous caches.
 
     gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits) -> (out, lse)
     gluon_decode_reasons(q, k_cache, v_cache, block_table) -> why it cannot serve (empty: it can)
 
 Same contract and split rule as `decode_kernel.decode_forward` (its partial results merged by
-the same combine kernel), for the launches `plan_launch` marks with `gluon_splits` (long caches,
-under-filled or, split 4 ways, full): D = Dv = 128, up to 16 query rows (G * Nq) per K/V head,
-fp16/bf16, contiguous caches.
+the same rule, in the split kernel where `merge_shape` allows, else by its combine kernel), for the
+launches `plan_launch` marks (`DecodeConfig.gluon`): D = Dv = 128, up to 16 query rows (G * Nq) per
+K/V head, fp16/bf16, contiguous caches.
 
-What differs is when K/V bytes are asked for. The Triton kernel's software pipeline keeps two
+What differs is how K/V bytes are asked for. The Triton kernel's software pipeline keeps two
 64-key blocks of K and V in flight and issues a block's copies after the block's arithmetic.
-Here each tensor has one 64-key buffer and each copy group is one tensor's block, in the order
-cuDNN's decode kernel uses (seen in its SASS): wait for K_j (V_j may still be in flight), read
-K_j's fragments into registers, issue K_{j+1} into the freed buffer, S_j and its softmax; wait
-for V_j, read its fragments, issue V_{j+1}, O += P_j V_j. About 32 KB stay in flight per
-program; deeper buffers (64 KB) and shallower ones (16 KB) read less
-(benchmarks/results/decode-gluon-depth-ab-h200.json, decode-gluon-depth2-ab-h200.json).
+Here each tensor has one 64-key slot, filled by one TMA copy (a block, 16 KB) that signals an
+mbarrier, in the order cuDNN's decode kernel uses (seen in its SASS): wait for K_j (V_j may still
+be in flight), read K_j's fragments into registers, issue K_{j+1} into the freed slot, S_j and its
+softmax; wait for V_j, read its fragments, issue V_{j+1}, O += P_j V_j. The copies take no
+registers for addresses: the kernel fits 128 registers, so 4 programs share an SM and B = 64,
+Hk = 8 runs in one wave unsplit. Copied with `cp.async` instead (16-byte copies by every thread,
+164 registers, 3 programs an SM), the same schedule read 0.960-1.000x this one at B = 1 and 8
+(8k-128k, 5 interleaved rounds; benchmarks/results/decode-gluon-tma-ab-h200.json).
 """
 
 from __future__ import annotations
@@ -23,17 +25,22 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from . import decode_kernel
-from .configs import ceil_div, gluon_device_reasons, next_power_of_two, tma_compatible
-from .gluon_forward import larger, plus
+from .configs import ceil_div, gluon_device_reasons, multiprocessor_count, next_power_of_two, tma_compatible
+from .gluon_forward import as_box, broadcast_reasons, larger, plus, tile_descriptor
 
 BLOCK_N = 64
 ROWS = 16  # query rows one program carries (G * Nq padded to the mma's 16)
 HEAD_DIM = 128
+# Registers a thread may take where a launch has more than 3 programs an SM: 4 then fit an SM's
+# 65536. With one new token the kernel takes 128 uncapped; with Nq > 1, 144, and capped 16 bytes spill.
+FOUR_PER_SM_REGISTERS = 128
 # float32 partial outputs of the merge in the split kernel (`merge_shape`): 32 a thread, its rows
-# spread over the 4 warps; more raise the kernel's 164 registers.
+# spread over the 4 warps (the kernel stays at 128 registers with it at Nq = 1; with the cp.async copies
+# before, more raised its 164).
 MERGE_ELEMENTS = 4096
 DTYPES = (torch.float16, torch.bfloat16)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -55,33 +62,46 @@ def gluon_decode_reasons(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         reasons.append(f"{rows} query rows per K/V head (G * Nq): at most {ROWS}")
     if block_table is not None:
         reasons.append("paged caches run on the Triton kernel")
-    if not tma_compatible(k_cache, v_cache):  # 16-byte copies; q is read by plain loads
+    if not tma_compatible(k_cache, v_cache):  # q is read by plain loads
         reasons.append("the caches' strides are not 16-byte aligned with a unit last stride")
-    return reasons
+    return reasons + broadcast_reasons(k_cache=k_cache, v_cache=v_cache)
 
 
 @gluon.jit
-def copy_block(buffer, head, n0, hi, stride_n, rows, cols):
-    """Keys n0 .. n0 + BLOCK_N of one head into `buffer` as one copy group; keys at or past hi read as 0."""
-    keys = n0 + rows
-    pointers = head + keys.to(gl.int64)[:, None] * stride_n + cols[None, :]
-    mask = (keys < hi)[:, None] & (cols < buffer.shape[1])[None, :]
-    async_copy.async_copy_global_to_shared(buffer, pointers, mask=mask)
-    async_copy.commit_group()
+def issue_block(desc, slot, ready, b, hk, n0, hi):
+    """One TMA copy of keys n0 .. n0 + BLOCK_N of (b, hk) into `slot`, signalling `ready`; none from hi on."""
+    if n0 < hi:
+        mbarrier.expect(ready, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [b, hk, n0, 0], ready, as_box(slot, desc))
 
 
 @gluon.jit
-def fragments(buffer, layout: gl.constexpr, transpose: gl.constexpr):
-    """`buffer` (whose copy group is the older of the two in flight) read into registers; the
-    barriers make every thread's copies visible first and free the buffer for the next copy after."""
-    async_copy.wait_group(1)
-    gl.thread_barrier()
+def fragments(slot, ready, phase, layout: gl.constexpr, transpose: gl.constexpr):
+    """`slot` read into registers once its copy landed; the barrier and fence free it for the next copy."""
+    mbarrier.wait(ready, phase)
     if transpose:
-        values = buffer.permute((1, 0)).load(layout)
+        values = slot.permute((1, 0)).load(layout)
     else:
-        values = buffer.load(layout)
+        values = slot.load(layout)
     gl.thread_barrier()
+    fence_async_shared()
     return values
+
+
+@gluon.jit
+def zero_rows_from(slot, ready, phase, keep, layout: gl.constexpr):
+    """Rows keep .. of `slot` set to 0 once its copy landed, 16 rows at a time: the copy of a
+    sequence's last block brings keys past its length (stale cache slots, maybe NaN), and P = 0
+    there would not cancel a NaN of V."""
+    mbarrier.wait(ready, phase)
+    CHUNK: gl.constexpr = 16
+    ROWS: gl.constexpr = slot.shape[0]
+    rows = gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
+    for first in gl.static_range(0, ROWS, CHUNK):
+        chunk = slot.slice(first, CHUNK)
+        values = chunk.load(layout)
+        chunk.store(gl.where((first + rows < keep)[:, None], values, gl.zeros_like(values)))
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -117,24 +137,52 @@ def merge_splits(PART_OUT, PART_LSE, OUT, LSE, first_row, rows_valid, num_splits
 
 
 @gluon.jit
+def attend_block(q, slots, k_desc, v_desc, phase, b, hk, n0, hi, keys, last_key, m_i, l_i, acc, qk_scale,
+                 operand_b: gl.constexpr, tile: gl.constexpr, CUT: gl.constexpr):
+    """The online-softmax state (m_i, l_i, acc) after keys n0 .. n0 + BLOCK_N, whose K and V are in
+    flight to `slots`; each slot takes the next block's copy once read. CUT: the block runs past hi,
+    and V's rows from hi are set to 0 first (outside the loop over whole blocks, which then keeps
+    to 128 registers)."""
+    k_slot, v_slot, k_ready, v_ready = slots
+    BLOCK_N: gl.constexpr = k_slot.shape[0]
+    mma: gl.constexpr = acc.type.layout
+    if CUT:
+        zero_rows_from(v_slot, v_ready, phase, hi - n0, tile)
+    k = fragments(k_slot, k_ready, phase, operand_b, True)
+    issue_block(k_desc, k_slot, k_ready, b, hk, n0 + BLOCK_N, hi)
+    s = mma_v2(q, k, gl.zeros([q.shape[0], BLOCK_N], gl.float32, mma)) * qk_scale
+    s = gl.where((n0 + keys)[None, :] <= last_key[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.reduce(s, 1, larger))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + gl.reduce(p, 1, plus)
+    p = gl.convert_layout(p.to(q.dtype), q.type.layout)
+    v = fragments(v_slot, v_ready, phase, operand_b, False)
+    issue_block(v_desc, v_slot, v_ready, b, hk, n0 + BLOCK_N, hi)
+    return m_new, l_i, mma_v2(p, v, acc * alpha[:, None])
+
+
+@gluon.jit
 def gluon_decode_split_kernel(
-    Q, K, V, SEQLENS, OUT, LSE,
+    Q, k_desc, v_desc, SEQLENS, OUT, LSE,
     stride_qb, stride_qh, stride_qt,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
     heads_k, group, len_q, num_splits, qk_scale,
-    HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+    ROWS: gl.constexpr,
     FINAL_OUT=None, FINAL_LSE=None, ARRIVALS=None,
     MERGE_ROWS: gl.constexpr = 0, MERGE_SPLITS: gl.constexpr = 0,
 ):
+    """Descriptors (`tile_descriptor`): k, v (B, Hk, Nmax, D) with [1, 1, BLOCK_N, D] boxes."""
+    D: gl.constexpr = k_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = k_desc.dtype
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
     operand_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     operand_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    swizzled: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
 
     # The split rule of decode_kernel.decode_split_kernel, written again in Gluon (a Gluon kernel
-    # cannot call a triton.jit function); the merge is decode_kernel's combine kernel itself.
+    # cannot call a triton.jit function).
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // heads_k
@@ -144,15 +192,18 @@ def gluon_decode_split_kernel(
     lo = split * chunk
     hi = gl.minimum(lo + chunk, length)
 
-    tile_rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, tile))
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, tile))
-    k_head = K + b.to(gl.int64) * stride_kb + hk.to(gl.int64) * stride_kh
-    v_head = V + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
-    k_buffer = gl.allocate_shared_memory(K.dtype.element_ty, [BLOCK_N, HEAD_DIM], swizzled)
-    v_buffer = gl.allocate_shared_memory(V.dtype.element_ty, [BLOCK_N, HEAD_DIM], swizzled)
-    copy_block(k_buffer, k_head, lo, hi, stride_kn, tile_rows, cols)
-    copy_block(v_buffer, v_head, lo, hi, stride_vn, tile_rows, cols)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    k_slot = gl.allocate_shared_memory(dtype, [BLOCK_N, D], kv_layout)
+    v_slot = gl.allocate_shared_memory(dtype, [BLOCK_N, D], kv_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(k_ready, count=1)
+    mbarrier.init(v_ready, count=1)
+    fence_async_shared()
+    issue_block(k_desc, k_slot, k_ready, b, hk, lo, hi)
+    issue_block(v_desc, v_slot, v_ready, b, hk, lo, hi)
 
+    cols = gl.arange(0, D, gl.SliceLayout(0, tile))
     q_rows = gl.arange(0, ROWS, gl.SliceLayout(1, tile))
     q_ptrs = (Q + b.to(gl.int64) * stride_qb + (hk * group + q_rows // len_q).to(gl.int64)[:, None] * stride_qh
               + (q_rows % len_q)[:, None] * stride_qt + cols[None, :])
@@ -163,33 +214,27 @@ def gluon_decode_split_kernel(
     last_key = length - len_q + rows % len_q
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma)
-    for n0 in range(lo, hi, BLOCK_N):
-        k = fragments(k_buffer, operand_b, True)
-        copy_block(k_buffer, k_head, n0 + BLOCK_N, hi, stride_kn, tile_rows, cols)
-        s = mma_v2(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, mma)) * qk_scale
-        s = gl.where((n0 + keys)[None, :] <= last_key[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.reduce(s, 1, larger))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + gl.reduce(p, 1, plus)
-        p = gl.convert_layout(p.to(V.dtype.element_ty), operand_a)
-        v = fragments(v_buffer, operand_b, False)
-        copy_block(v_buffer, v_head, n0 + BLOCK_N, hi, stride_vn, tile_rows, cols)
-        acc = mma_v2(p, v, acc * alpha[:, None])
-        m_i = m_new
-    async_copy.wait_group(0)
+    acc = gl.zeros([ROWS, D], gl.float32, mma)
+    slots = (k_slot, v_slot, k_ready, v_ready)
+    full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    phase = 0
+    for n0 in range(lo, full_end, BLOCK_N):
+        m_i, l_i, acc = attend_block(q, slots, k_desc, v_desc, phase, b, hk, n0, hi, keys, last_key, m_i, l_i, acc,
+                                     qk_scale, operand_b, tile, False)
+        phase ^= 1
+    if full_end < hi:  # the sequence's last block, cut by its length
+        m_i, l_i, acc = attend_block(q, slots, k_desc, v_desc, phase, b, hk, full_end, hi, keys, last_key, m_i, l_i,
+                                     acc, qk_scale, operand_b, tile, True)
 
     has_mass = l_i != 0.0
     safe_l = gl.where(has_mass, l_i, 1.0)
     out = gl.where(has_mass[:, None], acc / safe_l[:, None], 0.0)
     lse = gl.where(has_mass, (m_i + gl.log2(safe_l)) * LN2, float("-inf"))
-    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, mma))
+    out_cols = gl.arange(0, D, gl.SliceLayout(0, mma))
     head = hk * group + rows // len_q
     out_row = ((b * heads_k * group + head).to(gl.int64) * len_q + rows % len_q) * num_splits + split
     row_ok = rows < group * len_q
-    gl.store(OUT + out_row[:, None] * HEAD_DIM + out_cols[None, :], out.to(OUT.dtype.element_ty),
+    gl.store(OUT + out_row[:, None] * D + out_cols[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None])
     gl.store(LSE + out_row, lse, mask=row_ok)
     if MERGE_ROWS > 0:
@@ -198,7 +243,7 @@ def gluon_decode_split_kernel(
         if gl.atomic_add(ARRIVALS + pid, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             gl.atomic_xchg(ARRIVALS + pid, 0)
             merge_splits(OUT, LSE, FINAL_OUT, FINAL_LSE, (b * heads_k + hk) * group * len_q, group * len_q,
-                         num_splits, HEAD_DIM, MERGE_ROWS, MERGE_SPLITS)
+                         num_splits, D, MERGE_ROWS, MERGE_SPLITS)
 
 
 def merge_shape(rows: int, num_splits: int) -> tuple[int, int] | None:
@@ -208,6 +253,12 @@ def merge_shape(rows: int, num_splits: int) -> tuple[int, int] | None:
     decode-gluon-merge-four-loads-ab-h200.json)."""
     shape = (max(next_power_of_two(rows), 4), next_power_of_two(num_splits))
     return shape if num_splits > 1 and shape[0] * shape[1] * HEAD_DIM <= MERGE_ELEMENTS else None
+
+
+def register_cap(programs: int, device: torch.device) -> dict:
+    """The launch option that keeps 4 programs an SM where a launch has more than 3 an SM."""
+    more_than_three = device.type == "cuda" and programs > 3 * multiprocessor_count(device)
+    return {"maxnreg": FOUR_PER_SM_REGISTERS} if more_than_three else {}
 
 
 def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits, merge_in_split=True):
@@ -221,11 +272,12 @@ def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits, merge_
     merge = {} if shape is None else dict(
         FINAL_OUT=out, FINAL_LSE=lse, ARRIVALS=decode_kernel.arrival_counters(batch * heads_k, q.device),
         MERGE_ROWS=shape[0], MERGE_SPLITS=shape[1])
+    cap = register_cap(batch * heads_k * num_splits, q.device)
     gluon_decode_split_kernel[(batch * heads_k, num_splits)](
-        q, k_cache, v_cache, seqlens.contiguous(), part_out, part_lse,
-        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        q, tile_descriptor(k_cache, BLOCK_N), tile_descriptor(v_cache, BLOCK_N), seqlens.contiguous(),
+        part_out, part_lse, *q.stride()[:3],
         heads_k, heads_q // heads_k, len_q, num_splits, scale * decode_kernel.LOG2E,
-        HEAD_DIM=head_dim, ROWS=ROWS, BLOCK_N=BLOCK_N, num_warps=4, **merge,
+        ROWS=ROWS, num_warps=4, **cap, **merge,
     )
     if num_splits > 1 and not merge:
         decode_kernel.combine_splits(part_out, part_lse, out, lse, heads_k)

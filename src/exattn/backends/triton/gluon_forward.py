@@ -46,7 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams
 from . import schedule
-from .configs import ceil_div, device_index, gluon_device_reasons, tma_compatible
+from .configs import ceil_div, gluon_device_reasons, multiprocessor_count, tma_compatible
 from .passes import on_device, scalar_args
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
@@ -656,15 +656,6 @@ def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, progra
             tile_descriptor(out, ROWS.value), lse, heads_q, batch * heads_q, heads_q // heads_k, len_q, len_k,
             row_tiles, order, scale_log2)
     return args, (programs,)
-
-
-@functools.cache
-def device_multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def multiprocessor_count(device: torch.device) -> int:
-    return device_multiprocessors(device_index(device))
 
 
 def causal_heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, head_bytes: int,
