@@ -86,7 +86,12 @@ def dkdv_segment(
             q = load_tile(q_ptrs, rows, len_q, offs_d, D, BLOCK_D, CHECK_BAND)
             do = load_tile(do_ptrs, rows, len_q, offs_dv, DV, BLOCK_DV, CHECK_BAND)
         lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, len_q, CHECK_BAND)
-        s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
+        if DOT_PRECISION == "ieee":
+            # fp32: the forward's operand order, so a dot whose rounding depends on it (the
+            # interpreter's BLAS) gives back the forward's scores and P's largest terms stay exact.
+            s2t = tl.trans(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)) * scale_log2
+        else:
+            s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
         if CHECK_BAND or MASK_KIND != 0:
             s2t = masked_scores(
                 s2t, rows[None, :], cols[:, None], len_q, len_k, left, right, mask_base,
