@@ -8,6 +8,9 @@ TMA descriptors and plain pointers, every mask kind, GQA, dropout.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +100,20 @@ def test_strided_inputs_and_huge_logits(dtype):
     torch.manual_seed(1)
     q, k, v = make_inputs(1, 2, 1, 31, 47, 32, 32, dtype, scale_inputs=8.0, layout="bnhd")
     check_against_oracle(q, k, v, causal=True)
+
+
+def cpu_has_avx2() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " avx2" in cpuinfo.read_text()
+
+
+@pytest.mark.skipif(not cpu_has_avx2(), reason="OpenBLAS's Haswell kernels need an x86 CPU with AVX2 (Linux)")
+def test_huge_logits_where_the_dot_rounds_by_operand_order():
+    """The interpreter's tl.dot is numpy's matmul; with OpenBLAS's Haswell kernels (CI's CPU) K·Qᵀ and
+    (Q·Kᵀ)ᵀ round differently, so the fp32 backward must recompute the scores as the forward did."""
+    code = "import torch, test_triton_backend as t; t.test_strided_inputs_and_huge_logits(torch.float32)"
+    env = dict(os.environ, OPENBLAS_CORETYPE="Haswell", TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, check=True)
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
