@@ -107,6 +107,8 @@ def cpu_has_avx2() -> bool:
     return cpuinfo.exists() and " avx2" in cpuinfo.read_text()
 
 
+# OPENBLAS_CORETYPE=Haswell on a CPU without AVX2 would run illegal instructions, so the test is
+# skipped there; test_strided_inputs_and_huge_logits still runs the same case with the default kernels.
 @pytest.mark.skipif(not cpu_has_avx2(), reason="OpenBLAS's Haswell kernels need an x86 CPU with AVX2 (Linux)")
 def test_huge_logits_where_the_dot_rounds_by_operand_order():
     """The interpreter's tl.dot is numpy's matmul; with OpenBLAS's Haswell kernels (CI's CPU) K·Qᵀ and
