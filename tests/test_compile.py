@@ -1,4 +1,4 @@
-"""`torch.compile(fullgraph=True)` over `exattn.attention` on the tiled path (custom ops in exattn.ops).
+"""`torch.compile(fullgraph=True)` over `exattn.attention` on the tiled path (custom ops in exattn.backends.tiled_ops).
 
 Compiling on the CPU is slow: one small shape per compiled function.
 """
@@ -6,7 +6,7 @@ Compiling on the CPU is slow: one small shape per compiled function.
 import torch
 
 import exattn
-from exattn.ops import params_to_args
+from exattn.backends.tiled_ops import params_to_args
 from exattn.problem import make_problem
 from exattn.reference import attention_ref
 from error_rule import assert_matches_oracle

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from ..problem import AttentionProblem
 from .naive import NaiveBackend
-from .tiled import TiledBackend
+from .tiled_ops import TiledBackend
 
 BACKEND_NAMES = ("auto", "triton", "tiled", "naive")
 AUTO_PRIORITY = ("triton", "tiled")

@@ -21,8 +21,7 @@ import torch
 from ..algebra import NEG_INF, BlockSummary, absorb_, exp_, finalize_
 from ..dropout import keep_tile
 from ..masks import apply_masks, band_bounds, band_rows
-from ..problem import AttentionParams, AttentionProblem, check_accumulators, compute_dtype
-from .autograd import RecomputingAttention
+from ..problem import AttentionParams, check_accumulators, compute_dtype
 
 # Elements of one score tile, summed over batch and heads, that the default
 # tile sizes aim for: large enough for efficient matmuls, small enough for cache.
@@ -206,23 +205,3 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accum
     if accumulate_into is not None:
         return accumulate_into
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-class TiledBackend:
-    """Pure PyTorch tiles; serves every input the contract allows, on any device."""
-
-    name = "tiled"
-    forward = staticmethod(tiled_forward)
-    backward = staticmethod(tiled_backward)
-
-    def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
-        return []
-
-    def run(self, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor]:
-        args = (problem.q, problem.k, problem.v, problem.mask, problem.params)
-        if torch.compiler.is_compiling():
-            # The same passes as torch custom ops (exattn.ops), opaque to the compiler.
-            from ..ops import tiled_attention
-
-            return tiled_attention(*args)
-        return RecomputingAttention.apply(*args, self)

@@ -1,4 +1,5 @@
-"""The tiled backend as torch custom ops, so `torch.compile(fullgraph=True)` can trace `attention`.
+"""The tiled backend as the dispatcher runs it: eagerly through `RecomputingAttention`, and under
+`torch.compile` as torch custom ops, so `torch.compile(fullgraph=True)` can trace `attention`.
 
     exattn::tiled_forward(q, k, v, mask, *params) -> (out, lse)
     exattn::tiled_backward(dout, q, k, v, mask, out, lse, *params) -> (dq, dk, dv)
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .problem import AttentionParams, compute_dtype
+from ..problem import AttentionParams, AttentionProblem, compute_dtype
+from .autograd import RecomputingAttention
+from .tiled import tiled_backward, tiled_forward
 
 Tensor = torch.Tensor
 
@@ -39,8 +42,6 @@ def tiled_forward_op(
     dropout_p: float, seed: int, block_m: int, block_n: int,
 ) -> tuple[Tensor, Tensor]:
     """out (B, Hq, Nq, Dv) in q's dtype, lse (B, Hq, Nq) in the compute dtype."""
-    from .backends.tiled import tiled_forward
-
     params = params_from_args(scale, left, right, dropout_p, seed, block_m, block_n)
     return tiled_forward(q, k, v, mask, params)
 
@@ -58,8 +59,6 @@ def tiled_backward_op(
     scale: float, left: int, right: int, dropout_p: float, seed: int, block_m: int, block_n: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (contiguous, in the dtypes of q, k, v)."""
-    from .backends.tiled import tiled_backward
-
     params = params_from_args(scale, left, right, dropout_p, seed, block_m, block_n)
     return tiled_backward(dout, q, k, v, mask, out, lse, params)
 
@@ -91,3 +90,20 @@ def tiled_attention(q, k, v, mask, params: AttentionParams) -> tuple[Tensor, Ten
     """(out, lse) through the custom op; differentiable in q, k, v; lse carries no gradient."""
     out, lse = tiled_forward_op(q, k, v, mask, *params_to_args(params))
     return out, lse.detach()
+
+
+class TiledBackend:
+    """Pure PyTorch tiles; serves every input the contract allows, on any device."""
+
+    name = "tiled"
+    forward = staticmethod(tiled_forward)
+    backward = staticmethod(tiled_backward)
+
+    def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
+        return []
+
+    def run(self, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor]:
+        args = (problem.q, problem.k, problem.v, problem.mask, problem.params)
+        if torch.compiler.is_compiling():
+            return tiled_attention(*args)  # the same passes, opaque to the compiler
+        return RecomputingAttention.apply(*args, self)
