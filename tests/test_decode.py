@@ -262,8 +262,7 @@ def test_plan_splits_fills_the_gpu_only_when_needed():
     (2, 4096, 16), (2, 8192, 16), (4, 2048, 8), (4, 4096, 8), (8, 8192, 4),
 ])
 def test_plan_splits_under_filled_measured(batch, seqlen, splits):
-    """The best split counts of the H200 sweeps, Hk = 8, contiguous and paged caches alike
-    (decode-plan-sweep-h200.json; 4k and 32k-128k from decode-split-rule-h200.json)."""
+    """The best split counts of the H200 sweeps, Hk = 8, contiguous and paged caches alike."""
     assert plan_splits(batch, 8, seqlen, 132) == splits
 
 

@@ -185,7 +185,7 @@ def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, 
 # ---------------------------------------------------------------- planning
 
 # An under-filled launch takes a second program per SM once its splits keep this many key blocks
-# (`plan_splits`). Split sweep, contiguous and paged, two passes (decode-plan-sweep-h200.json): B = 1
+# (`plan_splits`). Split sweep, contiguous and paged, two passes: B = 1
 # at 8k / 16k (3 / 7 blocks) 32 splits 2.40 / 3.01 TB/s against 16 splits 2.37 / 2.94, 16-key pages
 # 2.32 / 2.91 against 2.26 / 2.84; B = 4 at 2k (4 blocks) 8 splits 2.45 against 4 splits 2.38;
 # B = 1 at 4k (1 block) 16 splits.
@@ -214,14 +214,13 @@ def plan_splits(
     that leave each split at least `min_blocks_per_split` key blocks of `block_n`
     (`min_blocks_when_full` once the unsplit launch saturates HBM: then a split
     only evens out the last wave, and short splits cost more in partial results
-    than they gain). Measured on the H200 (decode-b64-sweep.json,
-    decode-short-sweep.json): B = 64, Hk = 8 is 512 programs, 1.3 resident waves
+    than they gain). Measured on the H200: B = 64, Hk = 8 is 512 programs, 1.3 resident waves
     unsplit; 3 splits make 3.9 waves and lift 128k from 3.97 to 4.37 TB/s, but
     at 1k keys cost 7% (3.27 vs 3.51 TB/s unsplit). B = 1 at 1k: 8 splits of 2
     blocks read 0.56 TB/s, 4 splits of 4 blocks 0.46. With 2 stages (4 resident
     per SM, `plan_launch`) B = 64 is 0.97 waves unsplit, and 1 split read 4.54 /
     4.61 / 4.56-4.65 TB/s at 8k / 32k / 128k, 2-3 splits 4.42-4.45 / 4.57-4.60 /
-    4.62-4.64 (decode-b64-2stage-sweep.json). Under-filled, Hk = 8 (decode-split-rule-h200.json):
+    4.62-4.64. Under-filled, Hk = 8:
     B = 1 reads most with 16 splits (one program per SM) at 2k-4k (4k: 1.56 TB/s
     against 1.42 with 32, 1.37 with 24) and with 32 from 8k (MIN_BLOCKS_SATURATING).
     """
@@ -289,20 +288,20 @@ def choose_decode_backend(problem: DecodeProblem, backend: object) -> str:
 
 # Under-filled launches over at least this many keys run the Gluon split kernel on sm_90
 # (`gluon_decode.py`, its load schedule; contiguous caches only). 5 interleaved rounds, the plan's
-# splits (decode-gluon-tma-ab-h200.json): at 8k 1.078x (B = 1) and 1.028x (B = 8) the Triton kernel;
+# splits: at 8k 1.078x (B = 1) and 1.028x (B = 8) the Triton kernel;
 # from 32k (B = 1 and 8) 0.9995-1.018x the Gluon kernel it replaced, which read 1.001-1.010x the
-# Triton kernel (decode-gluon-ab-h200.json). Below 32k paged caches (the Triton kernel) would fall
+# Triton kernel. Below 32k paged caches (the Triton kernel) would fall
 # under 0.95x contiguous: B = 1 16-key pages read 0.968-0.983x the Triton kernel's contiguous speed
-# at 8k-16k (decode-h200-session18.json), so 0.90-0.92x a 1.078x faster contiguous path.
+# at 8k-16k, so 0.90-0.92x a 1.078x faster contiguous path.
 GLUON_MIN_KEYS = 32768
 
 # A launch that fills the GPU (B = 64, Hk = 8: 512 programs) of at most GLUON_FULL_MAX_ROWS rows runs
 # the Gluon kernel from GLUON_FULL_MIN_KEYS keys, with the Triton kernel's splits: both fit 4
 # programs an SM, so B = 64 runs unsplit in one wave. Against that Triton wave, 5 interleaved rounds
-# (decode-gluon-tma-b64-ab-h200.json, two machines): Nq = 1 1.017x at 1k, 1.010-1.014x at 2k,
+# on two machines: Nq = 1 1.017x at 1k, 1.010-1.014x at 2k,
 # 1.006-1.010x at 4k, 1.006x at 8k-16k, 1.004x at 32k, 0.998-1.002x at 64k-128k; Nq = 2 (8 rows) 1.001x at 8k;
 # Nq = 4 (16 rows, capped at 128 registers) 0.993 / 0.999x at 4k / 32k, so 16 rows stay on Triton.
-# From 2k: with the Gluon kernel at 1k (decode-h200-gluon1k.json) 16-key and 256-key pages (the
+# From 2k: with the Gluon kernel at 1k, 16-key and 256-key pages (the
 # Triton kernel) read 0.951-0.966x contiguous.
 GLUON_FULL_MIN_KEYS = 2048
 GLUON_FULL_MAX_ROWS = 8
@@ -324,13 +323,13 @@ def plan_launch(batch: int, heads_k: int, rows: int, head_dim: int, value_dim: i
     (down to one key block a split), where `plan_splits` would split it at all. Measured
     at 1k keys (B = 1: 16 splits of one block 0.60 TB/s contiguous, 0.55 with 16-key
     pages, against 0.56 / 0.47 with 8 splits of 2 blocks and 3 stages; B = 8: 8 splits
-    2.24 / 2.10 against 4 splits 2.23 / 1.99; decode-short-splits-h200.json); at 2k-4k
+    2.24 / 2.10 against 4 splits 2.23 / 1.99); at 2k-4k
     (B = 1 and 8) 2 stages read 1-10% less than 3 with the plan's splits, and at 8k
-    (B = 1) 64 splits with 2 stages 2-9% less than the plan (decode-mid-splits-h200.json).
+    (B = 1) 64 splits with 2 stages 2-9% less than the plan.
     A split launch of more programs than SMs merges its splits in the split kernel
     (`merge_in_split`): B = 8, 1k-8k, 1.02-1.05x the combine kernel, 32k-128k level; B = 1
-    with 32 splits (32k) 1.04x; with 16 splits (one program per SM; 1k-16k) 0.93-0.98x
-    (decode-fused-merge-vectorized-ab-h200.json). An under-filled launch over at least
+    with 32 splits (32k) 1.04x; with 16 splits (one program per SM; 1k-16k) 0.93-0.98x.
+    An under-filled launch over at least
     GLUON_MIN_KEYS keys at D = Dv = 128 with at most 16 rows is marked for the Gluon split kernel
     (`gluon`), a full one of at most GLUON_FULL_MAX_ROWS rows from GLUON_FULL_MIN_KEYS keys; it
     takes the same splits, and on sm_90

@@ -24,13 +24,12 @@ from .configs import MAX_HEAD_DIM, capability_of, interpreting, tile_problems
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Where the Gluon kernels beat the Triton ones on the H200: head dim -> shortest query
-# length (benchmarks/results/gluon-forward-h200*.json, gluon-backward-h200.json and the
-# prefill tables in docs/performance.md). Forward: 1.29-1.37x at d = 128 from 1k; at
+# length (bf16/fp16, measured against the Triton kernels in one process, and the prefill
+# table in docs/performance.md). Forward: 1.29-1.37x at d = 128 from 1k; at
 # d = 64 1.01-1.23x from 4k and, since causal tiles end at row Nq and run in head groups,
-# 1.03-1.15x at 1k-2k (gluon-forward-h200-d64-short.json). Backward: 1.06-1.10x at d = 128
-# from 2k, at d = 64 1.06-1.17x from 4k (gluon-backward-h200-d64-in-registers.json); at 1k
-# 1.07-1.25x and 2k 1.25-1.42x, both head dims, bf16 and fp16 (gluon-backward-short-h200-r*.json,
-# fourteenth session); bf16 at 512 (gluon-backward-ordered-short-h200.json, two rounds): d = 64
+# 1.03-1.15x at 1k-2k. Backward: 1.06-1.10x at d = 128
+# from 2k, at d = 64 1.06-1.17x from 4k; at 1k
+# 1.07-1.25x and 2k 1.25-1.42x, both head dims, bf16 and fp16; bf16 at 512 (two rounds): d = 64
 # 1.06-1.17x with the kernel pair and ordered dQ 1.16-1.21x the pair; d = 128 causal read 0.92x in one
 # round (and ordered dQ 0.65x cuDNN in one), so d = 128 starts at 1k. Shorter lengths: not measured.
 GLUON_FORWARD_MIN_LEN = {64: 1, 128: 1}

@@ -110,7 +110,7 @@ def dim_bucket(head_dim: int) -> int:
 
 
 # 16-bit inputs on sm_90, by (padded head dim bucket, causal). Chosen from the
-# sweeps in benchmarks/results/triton-tiles-h200*.json (bf16, N = 16k).
+# tile sweep of benchmarks/triton_tiles.py (bf16, N = 16k).
 FORWARD_TILES = {
     (64, False): TileConfig(128, 64, 4, 3),
     (64, True): TileConfig(128, 64, 4, 3),

@@ -115,33 +115,29 @@ class GluonBackwardConfig(NamedTuple):
 
 
 # d = 64: 128-key dQ steps with register operands, 1.06-1.17x the 64x4/64x4 shared-memory tiles and the
-# Triton backward from 4k (benchmarks/results/gluon-backward-h200-d64-in-registers.json).
+# Triton backward from 4k (bf16 / fp16, N = 4k-16k).
 CONFIGS = {64: GluonBackwardConfig(64, 4, 128, 2, in_registers=True), 128: GluonBackwardConfig(64, 4, 64, 4)}
 # atomic and ordered dQ (added by TMA reductions from the dK/dV kernel): the dS and float32 dQ tiles
 # take the shared memory of ring slots. d = 128: 3 Q/dO slots and 1 dQ slot read 1.03-1.10x 2 and 2
-# (ordered, bf16, N = 4k / 16k; 4 dQ slots at d = 64: 0.98-1.01x 2; benchmarks/results/dq-slots-h200.json).
+# (ordered, bf16, N = 4k / 16k; 4 dQ slots at d = 64: 0.98-1.01x 2).
 # d = 64, whole dQ tiles by turns against column halves (bf16 / fp16, N = 4k-16k, two rounds): ordered
-# 0.99-1.04x (all but one cell above 1), atomic 0.99-1.03x (benchmarks/results/
-# gluon-backward-alternate-dq-h200.json); at d = 128 the whole [64, 128] float32 tile spills (80-96 B).
+# 0.99-1.04x (all but one cell above 1), atomic 0.99-1.03x; at d = 128 the whole [64, 128] float32 tile spills (80-96 B).
 ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True, alternate_dq=True),
                   128: GluonBackwardConfig(64, 3, 0, 0, dq_slots=1)}
 # Query lengths from which the deterministic backward adds dQ in order in the dK/dV kernel (where it
 # fits): with the writer warp 1.02-1.09x the dK/dV + dQ kernel pair at d = 64 and 128, N = 4k and 16k,
-# and within 3% of atomic dQ (benchmarks/results/ordered-dq-h200.json); bf16 at 512 and 1k (two rounds,
-# gluon-backward-ordered-short-h200.json) 1.09-1.21x, every cell but d = 128 causal 512 (each path read
+# and within 3% of atomic dQ; bf16 at 512 and 1k (two rounds) 1.09-1.21x, every cell but d = 128 causal 512 (each path read
 # 0.65-0.71x cuDNN in one of its two rounds there; the Gluon backward starts at 1k at d = 128,
 # GLUON_BACKWARD_MIN_LEN). Shorter lengths: not compared.
 ORDERED_DQ_MIN_LEN = 512
 # Ordered dQ under full attention without the rotation (`rotated_sweeps`) from these query lengths, per
 # head dim. d = 128, against the rotated order (same process, bf16 / fp16): 2k 0.96x, 4k 0.99x / level,
-# 8k 1.02x / 1.03x, 16k 1.03-1.04x / 1.03x; d = 64: 4k 0.94x, 16k level
-# (benchmarks/results/dq-unrotated-order-h200.json, dq-sweeps-h200.json).
+# 8k 1.02x / 1.03x, 16k 1.03-1.04x / 1.03x; d = 64: 4k 0.94x, 16k level.
 UNROTATED_MIN_LEN = {128: 8192}
 # dK and dV stored by TMA through the K and V tiles (`grad_outputs`) for sweeps shorter than these query
 # rows (Nq * Hq / Hk), per head dim, else from registers. The tile stores make ptxas spill in the d = 128
 # sweep: against register stores (bf16 / fp16, two rounds), d = 128 4k 1.03-1.06x (causal 1.00-1.02x),
-# 8k 0.96-0.98x (0.97-0.99x), 16k 0.94-0.97x (0.98-1.00x); d = 64 0.99-1.03x, 19 of 24 cells above 1
-# (benchmarks/results/gluon-backward-tma-grads-h200.json).
+# 8k 0.96-0.98x (0.97-0.99x), 16k 0.94-0.97x (0.98-1.00x); d = 64 0.99-1.03x, 19 of 24 cells above 1.
 TMA_GRADS_MAX_ROWS = {128: 8192}
 
 

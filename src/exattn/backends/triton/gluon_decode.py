@@ -17,7 +17,7 @@ softmax; wait for V_j, read its fragments, issue V_{j+1}, O += P_j V_j. The copi
 registers for addresses: the kernel fits 128 registers, so 4 programs share an SM and B = 64,
 Hk = 8 runs in one wave unsplit. Copied with `cp.async` instead (16-byte copies by every thread,
 164 registers, 3 programs an SM), the same schedule read 0.960-1.000x this one at B = 1 and 8
-(8k-128k, 5 interleaved rounds; benchmarks/results/decode-gluon-tma-ab-h200.json).
+(8k-128k, 5 interleaved rounds).
 """
 
 from __future__ import annotations
@@ -249,8 +249,7 @@ def gluon_decode_split_kernel(
 def merge_shape(rows: int, num_splits: int) -> tuple[int, int] | None:
     """(MERGE_ROWS, MERGE_SPLITS) where the last split of a group of `rows` query rows merges the
     group in the split kernel: its splits' partial outputs fit one load of MERGE_ELEMENTS. Else None,
-    and the combine kernel merges (at B = 1, 32 splits merged in four loads read 0.98x it;
-    decode-gluon-merge-four-loads-ab-h200.json)."""
+    and the combine kernel merges (at B = 1, 32 splits merged in four loads read 0.98x it)."""
     shape = (max(next_power_of_two(rows), 4), next_power_of_two(num_splits))
     return shape if num_splits > 1 and shape[0] * shape[1] * HEAD_DIM <= MERGE_ELEMENTS else None
 

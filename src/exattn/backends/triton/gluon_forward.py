@@ -87,12 +87,12 @@ class GluonConfig(NamedTuple):
     one_key_loop: bool = False
 
 
-# d = 128 persistent: full attention 1.02-1.05x the one-program-per-tile grid, causal 0.86-0.95x
-# (benchmarks/results/gluon-forward-h200-persistent.json); d = 64's three warpgroups leave no
+# d = 128 persistent: full attention 1.02-1.05x the one-program-per-tile grid, causal 0.86-0.95x;
+# d = 64's three warpgroups leave no
 # registers for it (two, persistent: 0.85-0.91x).
-# one_key_loop (benchmarks/results/gluon-forward-one-loop*-h200.json, two runs each, bf16, 4k-16k): d = 64
+# one_key_loop (two runs each, bf16, 4k-16k): d = 64
 # 1.01-1.04x, d = 128 0.98-1.00x. At d = 64 causal 4k it executes 4.7% fewer instructions at the same
-# issue rate (ncu-d64-causal-fwd-one-loop-h200.json); the kernel is 4952 SASS instructions, not 6792.
+# issue rate (Nsight Compute); the kernel is 4952 SASS instructions, not 6792.
 CONFIGS = {64: GluonConfig(128, 2, consumers=3, one_key_loop=True), 128: GluonConfig(128, 2, persistent=True)}
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 # Which key tiles a step masks (`softmax_tile`): none, every one, those from the first not-full one on.
@@ -668,7 +668,7 @@ def causal_heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, head_b
 
 def persistent_grid(cfg: GluonConfig, causal: bool) -> bool:
     """Whether the grid is persistent: `cfg.persistent`, for full attention only (causal programs of
-    one tile each, longest rows first, measured faster: gluon-forward-h200-persistent.json)."""
+    one tile each, longest rows first, measured faster)."""
     return cfg.persistent and not causal
 
 
