@@ -85,7 +85,7 @@ def time_calls(calls, device, budget_ms=60.0, window_ms=1.0, warmup_ms=150.0) ->
     (the host's graph launch) is not counted as the calls' time. Replays for `warmup_ms`
     come first, untimed: right after its caches were allocated, B = 64 at 128k with paged
     caches read 3.95-3.99 TB/s for the first ~100 ms and 4.51-4.59 after, in every layout
-    (decode-clamped-slots-ab-h200.json)."""
+    (measured on the H200)."""
     def run_all():
         for call in calls:
             call()

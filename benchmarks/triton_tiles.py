@@ -4,8 +4,8 @@ For bf16, N = 16k, B = 1, H = 2048 / d, d in (64, 128), causal off/on, it times
 the forward under each forward candidate (tiles, warps, stages, TMA or
 pointers, warp specialization) and the backward under each dK/dV and each
 dQ candidate (the other kernel at its table entry), with SDPA cuDNN timed in
-the same run as the anchor. Round 1 (a wider list, and the atomic-dQ
-variant) is in results/triton-tiles-h200-round1.json. Candidates are
+the same run as the anchor. The candidates are those left after a first,
+wider round (which also timed the atomic-dQ variant) on the H200. They are
 compiled first in parallel worker processes (shared Triton cache).
 
     PYTHONPATH=src python3 benchmarks/triton_tiles.py --out benchmarks/results/triton-tiles-h200.json
@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import attention_flops  # noqa: E402
 
-# Round 2 (round 1's wider list and results: results/triton-tiles-h200-round1.json).
 # Forward: (label, block_m, block_n, warps, stages, tma, warp_specialize), by head dim.
 FORWARD = {
     64: [

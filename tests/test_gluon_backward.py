@@ -39,7 +39,7 @@ from exattn.problem import AttentionParams
 from exattn.reference import attention_ref
 
 KERNELS = {"dkdv": gb.gluon_dkdv_kernel, "dq": gb.gluon_dq_kernel}
-# d = 64 tiles measured against the shipped ones (benchmarks/gluon_backward.py --variants):
+# d = 64 tile variants measured against the shipped ones:
 # compiled here, run against the oracle on the GPU.
 CANDIDATES = {
     "64:64x4/64x4r": gb.GluonBackwardConfig(64, 4, 64, 4, True),

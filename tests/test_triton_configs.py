@@ -1,5 +1,5 @@
 """Host-side tile arithmetic of the Triton backend: the same numbers as Triton's own helpers,
-which are JIT functions and cost microseconds per host call (benchmarks/host_path.py)."""
+which are JIT functions and cost microseconds per host call."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The Triton backend on a CUDA GPU (`pytest -m gpu`): bf16/fp16 at larger shapes, same error rule.
 
-Run on the device machine through benchmarks/gpu_session.sh. References are
+Run on the device machine through benchmarks/gpu_run.sh. References are
 computed on the GPU: the float64 oracle and the naive backend in the same dtype.
 """
 
