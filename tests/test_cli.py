@@ -150,3 +150,33 @@ def test_bad_config_file_exits_2(tmp_path, capsys):
         main(["experiment", "--config", str(path), "--out", str(tmp_path / "o")])
     assert exit_info.value.code == 2
     assert "--warmup must be an integer >= 0, got -1" in capsys.readouterr().err
+
+
+def test_plan_command_proven_bound(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--seq-len", "256", "--head-dim", "32", "--dtype", "fp32", "--max-error", "1e-4",
+                 "--bound", "proven", "--score-bound", "4", "--out", str(out)])
+    assert code == 0
+    assert "nothing was run" in capsys.readouterr().out
+    choice = json.loads(out.read_text())["choice"]
+    assert max(choice["out_bound"], choice["lse_bound"], choice["grad_bound"]) <= 1e-4
+    assert choice["out_err_rel"] is None  # proven mode measures nothing
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--score-bound"),
+    (["--score-bound", "4", "--backend", "triton"], "tiled backend only"),
+])
+def test_plan_command_proven_needs_its_inputs(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--seq-len", "64", "--head-dim", "16", "--max-error", "0.1", "--bound", "proven", *extra])
+    assert message in capsys.readouterr().err
+
+
+def test_report_has_the_proven_bound_column(tiny_run):
+    report = (tiny_run / "report.md").read_text()
+    assert "proven bound" in report and "Proven bound (fp32" in report
+    rows = json.loads((tiny_run / "results.json").read_text())["rows"]
+    bounded = [r for r in rows if r.get("proven_out_bound") is not None]
+    assert bounded and all(r["impl"] == "tiled" and r["dropout_p"] == 0 for r in bounded)
+    assert all(r["out_err_over_max_v"] <= r["proven_out_bound"] for r in bounded)

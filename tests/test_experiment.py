@@ -276,3 +276,43 @@ def test_plan_skips_lower_traffic_tiles_that_break_the_bound(monkeypatch):
 def test_memory_measurement_failure_is_reported_not_raised():
     result = peak_memory(spec(impl="flash"))  # no such backend: the child reports the error
     assert "error" in result and "flash" in result["error"]
+
+
+# ---------------------------------------------------------------- plan --bound proven
+
+def test_proven_plan_picks_the_lowest_traffic_tile_whose_bound_fits():
+    from exattn.bounds import tile_bounds
+
+    req = request(dtype="fp32", bound="proven", score_bound=4.0, max_error=1e-4, tiles=((16, 16), (48, 48)))
+    result = plan.plan_tiles(req)
+    assert result.choice is not None and result.naive == {}
+    for cand in result.candidates:
+        b = tile_bounds(cand.block_m, cand.block_n, 48, 48, 24, "fp32", 4.0)
+        fits = max(b["out"], b["lse"], b["dv"], b["dq"], b["dk"]) <= 1e-4
+        assert fits == (cand.verdict == "proven within the bound")
+    passing = [c for c in result.candidates if c.verdict == "proven within the bound"]
+    assert result.choice is passing[0]  # candidates are ranked by traffic
+    assert "proven" in plan.describe(result) and "nothing was run" in plan.describe(result)
+
+
+def test_proven_plan_rejects_everything_when_the_bound_is_below_the_output_rounding():
+    result = plan.plan_tiles(request(dtype="bf16", bound="proven", score_bound=4.0, max_error=1e-3))
+    assert result.choice is None  # bf16 output rounding alone is 2^-8
+    assert all(c.verdict.startswith("rejected") for c in result.candidates)
+
+
+def test_proven_plan_needs_a_score_bound_and_the_tiled_backend():
+    with pytest.raises(ValueError, match="score_bound"):
+        plan.plan_tiles(request(bound="proven"))
+    with pytest.raises(ValueError, match="tiled backend only"):
+        plan.plan_tiles(request(bound="proven", score_bound=1.0, backend="triton"))
+
+
+def test_sweep_rows_carry_the_proven_bound_next_to_the_measured_error():
+    run = RunSpec(phase="prefill", impl="tiled", dtype="fp32", seq_len=40, causal=False, dropout_p=0.0,
+                        block_m=16, block_n=16, batch=1, heads=2, heads_k=2, head_dim=16, seed=0, device="cpu")
+    inputs = make_inputs(run)
+    ref = oracle(run, inputs)
+    row = sweep.execute(run, inputs, ref, None, cfg.ExperimentConfig(memory=False, repeats=1, warmup=1))
+    assert row["out_err_over_max_v"] <= row["proven_out_bound"]
+    assert row["proven_out_bound"] < 1e-3 and row["proven_grad_bound"] > 0

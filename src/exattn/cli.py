@@ -113,12 +113,28 @@ def dtype_arg(text: str) -> str:
 def add_plan(sub) -> None:
     p = sub.add_parser("plan", help="pick tiles minimizing modeled traffic under an error bound",
                        description="Choose block_m x block_n minimizing MODELED memory traffic while the "
-                       "MEASURED output and gradient errors stay within --max-error, on your shapes.")
+                       "output and gradient errors stay within --max-error, on your shapes: MEASURED on random "
+                       "inputs (--bound empirical, the default) or PROVEN for every input whose scores you "
+                       "bound (--bound proven, docs/error-bound.md).")
     p.add_argument("--seq-len", type=positive(int), required=True, help="sequence length N (Nq = Nk)")
     p.add_argument("--head-dim", type=positive(int), required=True, help="head dimension D")
     p.add_argument("--dtype", type=dtype_arg, default="bf16", help="fp32, fp16 or bf16 (default bf16)")
     p.add_argument("--max-error", type=positive(float), required=True,
-                   help="largest relative error (max-abs / max|oracle|) accepted for the output and each gradient")
+                   help="largest error accepted for the output and each gradient: empirical, max-abs / "
+                   "max|oracle|; proven, |out - o| / max|v|, the lse's absolute error and each gradient's "
+                   "error over its normalizer (docs/error-bound.md)")
+    p.add_argument("--bound", choices=("empirical", "proven"), default="empirical",
+                   help="empirical (default): measure the worst error over --trials random inputs; covers "
+                   "every backend and all of dq, dk, dv with realistic errors, but is no guarantee. proven: an "
+                   "a-priori worst-case bound for the tiled backend, valid for EVERY input within "
+                   "--score-bound; runs nothing, but is typically 10-300x above measured errors, so it "
+                   "accepts fewer tiles. Empirical is the default because it needs no bound on the inputs "
+                   "and judges the backend you will run.")
+    p.add_argument("--score-bound", type=positive(float), default=None,
+                   help="proven mode (required): S >= scale * sum_d |q_id| |k_jd| for every query/key pair; "
+                   "scale * max|q_i|_2 * max|k_j|_2 will do (e.g. with QK-norm)")
+    p.add_argument("--score-range", type=positive(float), default=None,
+                   help="proven mode: R >= max_j s_ij - min_j s_ij in any row (default 2 S)")
     p.add_argument("--max-naive-ratio", type=positive(float), default=None,
                    help="also require error <= this multiple of the naive same-dtype error")
     p.add_argument("--batch", type=positive(int), default=1)
@@ -214,7 +230,13 @@ def run_plan(args, argv) -> int:
     check_device(parser, args.device)
     if args.kv_heads and args.heads % args.kv_heads:
         parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    backend = args.backend or ("triton" if args.device.startswith("cuda") else "tiled")
+    if args.bound == "proven" and args.score_bound is None:
+        parser.error("--bound proven needs --score-bound S (S >= scale * sum_d |q_id| |k_jd| for all pairs)")
+    if args.bound == "proven" and args.backend == "triton":
+        parser.error("--bound proven covers the tiled backend only (docs/error-bound.md); "
+                     "use --bound empirical for --backend triton")
+    cuda_default = args.device.startswith("cuda") and args.bound == "empirical"
+    backend = args.backend or ("triton" if cuda_default else "tiled")
     fields = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(PlanRequest)}}
     fields.update(backend=backend)
     if fields.get("tiles") is None:

@@ -167,7 +167,24 @@ def problems(rows: list[dict]) -> list[str]:
     return lines or ["Every planned run completed."]
 
 
+def proven_bound(rows: list[dict]) -> list[str]:
+    """How far the a-priori bound (docs/error-bound.md) sits above the measured output error, per dtype."""
+    lines = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        pairs = [(r["proven_out_bound"], r["out_err_over_max_v"]) for r in rows
+                 if r["dtype"] == dtype and r.get("proven_out_bound") is not None and r.get("out_err_over_max_v")]
+        if not pairs:
+            continue
+        factors = [b / m for b, m in pairs]
+        broken = sum(m > b for b, m in pairs)
+        lines.append(f"Proven bound ({dtype}, {len(pairs)} tiled runs): the output error (max-abs / max|v|) stayed "
+                     f"below the a-priori bound in {len(pairs) - broken} of {len(pairs)} runs; the bound was "
+                     f"{min(factors):.0f}× to {max(factors):.0f}× the measured error "
+                     f"(random inputs are not the worst case)." + (" BOUND EXCEEDED: a bug." if broken else ""))
+    return lines
+
+
 def findings(rows: list[dict], meta: dict) -> list[str]:
-    """Bullets for report.md: accuracy, memory, time and traffic, dropout, decode, problems."""
-    return (accuracy(rows) + memory(rows) + speed_and_traffic(rows) + measured_traffic(rows) + dropout(rows)
+    """Bullets for report.md: accuracy, proven bound, memory, time and traffic, dropout, decode, problems."""
+    return (accuracy(rows) + proven_bound(rows) + memory(rows) + speed_and_traffic(rows) + measured_traffic(rows) + dropout(rows)
             + decode(rows) + problems(rows))

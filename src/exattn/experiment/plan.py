@@ -15,8 +15,15 @@ error? The method, on the user's shapes, dtype and device:
    are within `max_error` (and, if given, within `max_naive_ratio` times the
    naive same-dtype error); the next passing ones are the runners-up.
 
-Limits: the traffic is a model; the bound is empirical, the worst over the
-trials drawn, not a proof for every input.
+With `bound="proven"` step 3 runs nothing: each candidate's a-priori bound
+(`exattn.bounds.tile_bounds`, docs/error-bound.md) on the output (relative to
+max|v|), the lse (absolute) and dv, dq, dk (relative to their normalizers) must be
+within `max_error`, for inputs whose scores satisfy `score_bound` (S) and
+`score_range` (R). It covers the tiled backend only (float32 compute).
+
+Limits: the traffic is a model; the empirical bound is the worst over the
+trials drawn, not a proof for every input; the proven bound is a worst case, so
+typically 10-300x above the errors measured on random inputs.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
+from ..bounds import tile_bounds
 from .measure import error_stats, ratio
 from .oracle import oracle
 from .traffic import Shape, default_on_chip_bytes, modeled_traffic, on_chip_footprint
@@ -54,6 +62,9 @@ class PlanRequest:
     on_chip_bytes: int | None = None
     seed: int = 0
     naive_max_len: int = 8192
+    bound: str = "empirical"
+    score_bound: float | None = None
+    score_range: float | None = None
 
 
 @dataclass
@@ -67,6 +78,9 @@ class Candidate:
     grad_err_rel: float | None = None
     out_err_ratio_naive: float | None = None
     grad_err_ratio_naive: float | None = None
+    out_bound: float | None = None
+    lse_bound: float | None = None
+    grad_bound: float | None = None
     verdict: str = "not measured (a lower-traffic candidate already qualified)"
 
 
@@ -141,11 +155,53 @@ def judge(cand: Candidate, errors: dict, naive: dict, req: PlanRequest) -> bool:
     return not reasons
 
 
+def check_proven(req: PlanRequest) -> None:
+    if req.bound not in ("empirical", "proven"):
+        raise ValueError(f"bound: expected 'empirical' or 'proven', got {req.bound!r}")
+    if req.bound == "proven":
+        if req.backend != "tiled":
+            raise ValueError(f"bound='proven' covers the tiled backend only, got backend {req.backend!r}: the "
+                             "Triton kernels round P to the input dtype and accumulate on tensor cores "
+                             "(docs/error-bound.md); use bound='empirical'")
+        if req.score_bound is None or not req.score_bound > 0:
+            raise ValueError("bound='proven' needs score_bound S > 0 with S >= scale * sum_d |q_id| |k_jd| "
+                             "for every pair (S = scale * max|q_i|_2 * max|k_j|_2 will do)")
+
+
+def judge_proven(cand: Candidate, req: PlanRequest) -> bool:
+    """Accept the candidate iff its a-priori bounds on out, lse and dv/dq/dk are within max_error."""
+    group = req.heads // (req.kv_heads or req.heads)
+    b = tile_bounds(cand.block_m, cand.block_n, req.seq_len, req.seq_len, req.head_dim, req.dtype,
+                    req.score_bound, req.score_range, group)
+    cand.out_bound, cand.lse_bound, cand.grad_bound = b["out"], b["lse"], max(b["dv"], b["dq"], b["dk"])
+    reasons = [f"proven {name} bound {value:.2e} > {req.max_error:g}"
+               for name, value in (("output", cand.out_bound), ("lse", cand.lse_bound),
+                                   ("gradient", cand.grad_bound)) if not value <= req.max_error]
+    cand.verdict = "proven within the bound" if not reasons else "rejected: " + "; ".join(reasons)
+    return not reasons
+
+
+def plan_proven(req: PlanRequest, ranked: list[Candidate], result: PlanResult) -> PlanResult:
+    """Every fitting candidate gets its bound (a formula: cheap); the lowest-traffic passing ones win."""
+    for cand in ranked:
+        if cand.verdict.startswith("rejected"):
+            continue
+        if judge_proven(cand, req):
+            if result.choice is None:
+                result.choice = cand
+            elif len(result.runners_up) < req.runners_up:
+                result.runners_up.append(cand)
+    return result
+
+
 def plan_tiles(req: PlanRequest, progress=None) -> PlanResult:
-    """Choose the lowest-traffic tile whose measured errors meet the bound (see module doc)."""
+    """Choose the lowest-traffic tile whose measured (or proven) errors meet the bound (module doc)."""
+    check_proven(req)
     fast_bytes, source = (req.on_chip_bytes, "--on-chip-bytes") if req.on_chip_bytes \
         else default_on_chip_bytes(req.device)
     ranked = candidates(req, fast_bytes)
+    if req.bound == "proven":
+        return plan_proven(req, ranked, PlanResult(asdict(req), fast_bytes, source, {}, None, candidates=ranked))
     trials = []
     for trial in range(req.trials):
         inputs = make_inputs(run_spec(req, "naive", None, None, trial))
@@ -172,6 +228,8 @@ def plan_tiles(req: PlanRequest, progress=None) -> PlanResult:
 def describe(result: PlanResult) -> str:
     """The plan as text: choice, runners-up, and the evidence table."""
     req = result.request
+    if req.get("bound") == "proven":
+        return describe_proven(result)
     lines = [
         f"exattn plan: B={req['batch']} Hq={req['heads']} Hk={req['kv_heads'] or req['heads']} "
         f"N={req['seq_len']} D={req['head_dim']} {req['dtype']} {'causal' if req['causal'] else 'not causal'}, "
@@ -203,6 +261,39 @@ def describe(result: PlanResult) -> str:
                      f"{fmt(c.grad_err_ratio_naive, 2):>11}  {c.verdict}")
     lines.append("Limits: the bound is empirical (worst over the trials, random normal inputs), "
                  "not a guarantee for every input; traffic is modeled, not measured.")
+    return "\n".join(lines)
+
+
+def describe_proven(result: PlanResult) -> str:
+    """The proven-mode plan: the bounds are formulas (docs/error-bound.md); nothing was run."""
+    req = result.request
+    spread = req["score_range"] if req["score_range"] is not None else 2 * req["score_bound"]
+    lines = [
+        f"exattn plan --bound proven: B={req['batch']} Hq={req['heads']} Hk={req['kv_heads'] or req['heads']} "
+        f"N={req['seq_len']} D={req['head_dim']} {req['dtype']}, tiled backend (float32 compute)",
+        f"Bound (proven a priori, for every input with scale*sum|q||k| <= S = {req['score_bound']:g} and row score "
+        f"range <= R = {spread:g}): |out - o| / max|v| <= {req['max_error']:g}, |lse error| <= "
+        f"{req['max_error']:g}, and dv, dq, dk within {req['max_error']:g} of their normalizers "
+        "(docs/error-bound.md). Rounding of the inputs to the dtype is not included.",
+        f"On-chip memory for the traffic model: {result.on_chip_bytes:,} B ({result.on_chip_source}).",
+    ]
+    if result.choice is None:
+        lines.append("NO candidate has a proven bound within --max-error (see the table below).")
+    else:
+        c = result.choice
+        lines.append(f"Choice: block_m={c.block_m} block_n={c.block_n}: modeled traffic "
+                     f"{c.traffic_model_bytes / 2**20:.2f} MiB, proven output bound {c.out_bound:.2e}, "
+                     f"lse {c.lse_bound:.2e}, gradient {c.grad_bound:.2e}.")
+        lines += [f"Runner-up: {r.tile}: {r.traffic_model_bytes / 2**20:.2f} MiB, output bound {r.out_bound:.2e}."
+                  for r in result.runners_up]
+    lines += ["", "Bounds (lowest modeled traffic first; traffic is a MODEL, bounds are proven, nothing was run):",
+              f"{'tile':>9} {'traffic MiB':>12} {'on-chip B':>10} {'out bound':>10} {'lse bound':>10} "
+              f"{'grad bound':>10}  verdict"]
+    for c in result.candidates:
+        lines.append(f"{c.tile:>9} {c.traffic_model_bytes / 2**20:>12.2f} {c.on_chip_bytes:>10,} "
+                     f"{fmt(c.out_bound):>10} {fmt(c.lse_bound):>10} {fmt(c.grad_bound):>10}  {c.verdict}")
+    lines.append("Limits: a worst-case bound, typically 10-300x above errors measured on random inputs; the "
+                 "scores (S) and the output and fp16/bf16 rounding usually dominate it, not the tiles.")
     return "\n".join(lines)
 
 

@@ -40,13 +40,24 @@ def error_vs_tile(rows: list[dict], path: Path) -> Path | None:
             for r in at_n:
                 if r["impl"] == "naive":
                     ax.axhline(r[key], linestyle="--", color=ax.lines[-1].get_color(), label=f"naive {name}")
+        proven(ax, x, tiled)
         ax.set_xticks(list(x), [r["tile"] for r in tiled], rotation=45)
         ax.set_yscale("log")
         ax.set_title(f"{dtype}, N = {n}")
         ax.set_xlabel("tile (block_m x block_n)")
-        ax.set_ylabel("max-abs error / max |oracle|")
+        ax.set_ylabel("max-abs error / max |oracle| (bound: / max |v|)")
         ax.legend(fontsize=7)
     return save(fig, path)
+
+
+def proven(ax, x, tiled: list[dict]) -> None:
+    """The a-priori bound (exattn.bounds) and the measured error in its normalization (max-abs / max|v|)."""
+    if not all(r.get("proven_out_bound") is not None for r in tiled) or not tiled:
+        return
+    ax.plot(x, [max(r["out_err_over_max_v"], 1e-300) for r in tiled], marker="^", linestyle=":",
+            label="tiled output, max-abs / max|v|")
+    ax.plot(x, [r["proven_out_bound"] for r in tiled], marker="_", linestyle="-", color="black",
+            label="proven bound on max-abs / max|v|")
 
 
 def versus_n(ax, curves: dict, key: str, scale: float) -> None:

@@ -16,6 +16,7 @@ FIRST_COLUMNS = (
     "block_m", "block_n", "status", "note",
     "out_err_max_abs", "out_err_rel", "out_err_ratio_naive",
     "grad_err_max_abs", "grad_err_rel", "grad_err_ratio_naive",
+    "out_err_over_max_v", "proven_out_bound", "proven_grad_bound",
     "peak_bytes", "traffic_model_bytes", "traffic_model_fwd_bytes",
     "dram_bytes", "dram_read_bytes", "dram_write_bytes", "dram_kernels", "dram_error",
     "time_fwd_ms", "time_bwd_ms", "time_total_ms",
@@ -79,6 +80,7 @@ TABLE = (
     ("N", "seq_len", None), ("impl", "impl", None), ("tile", "tile", None),
     ("out max-abs", "out_err_max_abs", "err"), ("out rel", "out_err_rel", "err"),
     ("out ×naive", "out_err_ratio_naive", "ratio"),
+    ("out / max abs v", "out_err_over_max_v", "err"), ("proven bound", "proven_out_bound", "err"),
     ("grad max-abs", "grad_err_max_abs", "err"), ("grad rel", "grad_err_rel", "err"),
     ("grad ×naive", "grad_err_ratio_naive", "ratio"),
     ("peak MiB (measured)", "peak_bytes", "mib"), ("traffic MiB (model)", "traffic_model_bytes", "mib"),
@@ -141,6 +143,9 @@ def setup_lines(meta: dict) -> list[str]:
         "`exattn.decode` with one split per block_n keys (num_splits = ceil(N / block_n)), shown as 1 × block_n.",
         f"- Oracle: {meta['oracle']}. Errors: max-abs, relative (max-abs / max|oracle|), "
         "and ratio to the naive error in the same dtype (1.0 = as accurate as naive).",
+        "- Proven bound (tiled, prefill, no dropout): the a-priori bound of docs/error-bound.md on "
+        "max-abs / max|v| (column `out / max abs v` is the measured error in that normalization), for "
+        "S = scale·max|q|₂·max|k|₂ of the inputs; `proven_grad_bound` in the CSV bounds dv, dq, dk.",
         f"- Peak memory (measured): {meta['memory_method']}.",
         f"- Memory traffic: a MODEL of bytes between main and on-chip memory "
         f"(on-chip size {meta['on_chip_bytes']:,} B: {meta['on_chip_source']}); "

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from ..bounds import tile_bounds
 from .config import ExperimentConfig
 from .dram import measure_dram
 from .environment import describe_environment
@@ -107,6 +108,22 @@ def base_row(run: RunSpec) -> dict:
     return row | modeled_traffic(shape, run.block_m, run.block_n, run.phase)
 
 
+def proven_columns(run: RunSpec, inputs, row: dict) -> dict:
+    """The a-priori bound (exattn.bounds) next to the measured error it bounds, for tiled prefill without
+    dropout: S = scale * max|q_i|_2 * max|k_j|_2 from the inputs (cheap), R = 2 S; the bound is on
+    max-abs / max|v|, so the measured output error is given in that normalization too."""
+    if run.impl != "tiled" or run.phase != "prefill" or run.dropout_p > 0 or row.get("out_err_max_abs") is None:
+        return {}
+    q, k, v = (x.detach().double() for x in inputs[:3])
+    score_bound = run.head_dim ** -0.5 * float(q.norm(dim=-1).max() * k.norm(dim=-1).max())
+    b = tile_bounds(run.block_m, run.block_n, run.len_q, run.seq_len, run.head_dim, run.dtype,
+                    score_bound, None, run.heads // run.heads_k)
+    max_v = float(v.abs().max())
+    return {"out_err_over_max_v": row["out_err_max_abs"] / max_v if max_v > 0 else None,
+            "proven_out_bound": b["out"], "proven_grad_bound": max(b["dv"], b["dq"], b["dk"]),
+            "proven_score_bound": score_bound}
+
+
 def execute(run: RunSpec, inputs, ref, naive: dict | None, config: ExperimentConfig) -> dict:
     """Every measurement of one run; a failure becomes a failed row."""
     row = base_row(run)
@@ -116,6 +133,7 @@ def execute(run: RunSpec, inputs, ref, naive: dict | None, config: ExperimentCon
     try:
         out, grads = run_once(run, inputs)
         row |= error_stats(out, grads, ref)
+        row |= proven_columns(run, inputs, row)
         row |= ratios_to_naive(row, naive if run.impl != "naive" else row)
         del out, grads
         row |= elapsed(run, inputs, max(0, config.warmup - 1), config.repeats)
