@@ -23,9 +23,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import (
-    LOG2E, dropout_keep, load_tile, masked_scores, query_row_tile, row_pointers, store_tile, tile_segments,
+from .tile_io import (
+    head_slice, head_tile_pointers, load_head_tile, load_source_tile, load_tile, store_tile, tile_pointers,
+    tile_source, tile_walk,
 )
+from .tiles import LOG2E, dropout_keep, masked_scores, query_row_tile, tile_segments
 
 
 @triton.jit
@@ -40,11 +42,8 @@ def attention_delta_kernel(
     b = (bh // heads_q).to(tl.int64)
     h = (bh % heads_q).to(tl.int64)
     offs_dv = tl.arange(0, BLOCK_DV)
-    r64 = rows[:, None].to(tl.int64)
-    o = load_tile(O + b * o_strides[0] + h * o_strides[1] + r64 * o_strides[2] + offs_dv[None, :] * o_strides[3],
-                  rows, len_q, offs_dv, DV, BLOCK_DV, True)
-    do = load_tile(DO + b * do_strides[0] + h * do_strides[1] + r64 * do_strides[2] + offs_dv[None, :] * do_strides[3],
-                   rows, len_q, offs_dv, DV, BLOCK_DV, True)
+    o = load_head_tile(O, o_strides, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
+    do = load_head_tile(DO, do_strides, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * len_q + rows, delta, mask=rows < len_q)
 
@@ -73,18 +72,13 @@ def dkdv_segment(
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     """Add the query tiles [tile_lo, tile_hi) of one query head into (dk, dv) (dk unscaled)."""
-    if not USE_TMA:
-        q_ptrs, q_step = row_pointers(q_src, q_strides, tile_lo, BLOCK_M, offs_m, offs_d)
-        do_ptrs, do_step = row_pointers(do_src, do_strides, tile_lo, BLOCK_M, offs_m, offs_dv)
+    q_at, q_step = tile_walk(q_src, q_strides, tile_lo, BLOCK_M, offs_m, offs_d, USE_TMA)
+    do_at, do_step = tile_walk(do_src, do_strides, tile_lo, BLOCK_M, offs_m, offs_dv, USE_TMA)
     for tile in tl.range(tile_lo, tile_hi):
         m0 = tile * BLOCK_M
         rows = m0 + offs_m
-        if USE_TMA:
-            q = q_src.load([m0, 0])
-            do = do_src.load([m0, 0])
-        else:
-            q = load_tile(q_ptrs, rows, len_q, offs_d, D, BLOCK_D, CHECK_BAND)
-            do = load_tile(do_ptrs, rows, len_q, offs_dv, DV, BLOCK_DV, CHECK_BAND)
+        q = load_source_tile(q_at, m0, rows, len_q, offs_d, D, BLOCK_D, CHECK_BAND, USE_TMA)
+        do = load_source_tile(do_at, m0, rows, len_q, offs_dv, DV, BLOCK_DV, CHECK_BAND, USE_TMA)
         lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, len_q, CHECK_BAND)
         if DOT_PRECISION == "ieee":
             # fp32: the forward's operand order, so a dot whose rounding depends on it (the
@@ -109,11 +103,11 @@ def dkdv_segment(
         dk = tl.dot(dst, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION)
-            dq_ptrs = DQ_ACC + rows[:, None].to(tl.int64) * dq_strides[0] + offs_d[None, :] * dq_strides[1]
-            tl.atomic_add(dq_ptrs, dq, mask=(rows[:, None] < len_q) & (offs_d[None, :] < D), sem="relaxed")
+            tl.atomic_add(tile_pointers(DQ_ACC, dq_strides, rows, offs_d), dq,
+                          mask=(rows[:, None] < len_q) & (offs_d[None, :] < D), sem="relaxed")
         if not USE_TMA:
-            q_ptrs += q_step
-            do_ptrs += do_step
+            q_at += q_step
+            do_at += do_step
     return dk, dv
 
 
@@ -128,20 +122,12 @@ def dkdv_head(
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     """Add every query tile of query head h: masked edge, full, masked diagonal / tail runs."""
-    q_base = Q + b * q_strides[0] + h * q_strides[1]
-    do_base = DO + b * do_strides[0] + h * do_strides[1]
-    if USE_TMA:
-        q_src = tl.make_tensor_descriptor(q_base, [len_q, D], [q_strides[2], 1], [BLOCK_M, BLOCK_D])
-        do_src = tl.make_tensor_descriptor(do_base, [len_q, DV], [do_strides[2], 1], [BLOCK_M, BLOCK_DV])
-    else:
-        q_src = q_base
-        do_src = do_base
-    qs = (q_strides[2], q_strides[3])
-    dos = (do_strides[2], do_strides[3])
-    dq_base = DQ_ACC + b * dq_strides[0] + h * dq_strides[1]
-    dqs = (dq_strides[2], dq_strides[3])
-    mask_base = MASK + b * mask_strides[0] + h * mask_strides[1]
-    ms = (mask_strides[2], mask_strides[3])
+    q_base, qs = head_slice(Q, q_strides, b, h)
+    do_base, dos = head_slice(DO, do_strides, b, h)
+    q_src = tile_source(q_base, qs, len_q, D, BLOCK_M, BLOCK_D, USE_TMA)
+    do_src = tile_source(do_base, dos, len_q, DV, BLOCK_M, BLOCK_DV, USE_TMA)
+    dq_base, dqs = head_slice(DQ_ACC, dq_strides, b, h)
+    mask_base, ms = head_slice(MASK, mask_strides, b, h)
     row_base = (b * heads_q + h) * len_q
     lo, full_lo, full_hi, hi = segments
     dk, dv = dkdv_segment(
@@ -190,11 +176,8 @@ def attention_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    c64 = cols[:, None].to(tl.int64)
-    k = load_tile(K + b * k_strides[0] + hk * k_strides[1] + c64 * k_strides[2] + offs_d[None, :] * k_strides[3],
-                  cols, len_k, offs_d, D, BLOCK_D, True)
-    v = load_tile(V + b * v_strides[0] + hk * v_strides[1] + c64 * v_strides[2] + offs_dv[None, :] * v_strides[3],
-                  cols, len_k, offs_dv, DV, BLOCK_DV, True)
+    k = load_head_tile(K, k_strides, b, hk, cols, len_k, offs_d, D, BLOCK_D)
+    v = load_head_tile(V, v_strides, b, hk, cols, len_k, offs_dv, DV, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, full_lo, full_hi, hi = tile_segments(
@@ -209,8 +192,8 @@ def attention_dkdv_kernel(
             D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
             DOT_PRECISION, ATOMIC_DQ,
         )
-    dk_ptrs = DK + b * dk_strides[0] + hk * dk_strides[1] + c64 * dk_strides[2] + offs_d[None, :] * dk_strides[3]
-    dv_ptrs = DVAL + b * dv_strides[0] + hk * dv_strides[1] + c64 * dv_strides[2] + offs_dv[None, :] * dv_strides[3]
+    dk_ptrs = head_tile_pointers(DK, dk_strides, b, hk, cols, offs_d)
+    dv_ptrs = head_tile_pointers(DVAL, dv_strides, b, hk, cols, offs_dv)
     dk = dk * scale
     if ACCUMULATE:
         dk += load_tile(dk_ptrs, cols, len_k, offs_d, D, BLOCK_D, True)
@@ -230,18 +213,13 @@ def dq_segment(
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add the key tiles [tile_lo, tile_hi) into dq (unscaled)."""
-    if not USE_TMA:
-        k_ptrs, k_step = row_pointers(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d)
-        v_ptrs, v_step = row_pointers(v_src, v_strides, tile_lo, BLOCK_N, offs_n, offs_dv)
+    k_at, k_step = tile_walk(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d, USE_TMA)
+    v_at, v_step = tile_walk(v_src, v_strides, tile_lo, BLOCK_N, offs_n, offs_dv, USE_TMA)
     for tile in tl.range(tile_lo, tile_hi):
         n0 = tile * BLOCK_N
         cols = n0 + offs_n
-        if USE_TMA:
-            k = k_src.load([n0, 0])
-            v = v_src.load([n0, 0])
-        else:
-            k = load_tile(k_ptrs, cols, len_k, offs_d, D, BLOCK_D, CHECK_BAND)
-            v = load_tile(v_ptrs, cols, len_k, offs_dv, DV, BLOCK_DV, CHECK_BAND)
+        k = load_source_tile(k_at, n0, cols, len_k, offs_d, D, BLOCK_D, CHECK_BAND, USE_TMA)
+        v = load_source_tile(v_at, n0, cols, len_k, offs_dv, DV, BLOCK_DV, CHECK_BAND, USE_TMA)
         s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if CHECK_BAND or MASK_KIND != 0:
             s2 = masked_scores(
@@ -256,8 +234,8 @@ def dq_segment(
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         if not USE_TMA:
-            k_ptrs += k_step
-            v_ptrs += v_step
+            k_at += k_step
+            v_at += v_step
     return dq
 
 
@@ -278,25 +256,15 @@ def attention_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    r64 = rows[:, None].to(tl.int64)
-    q = load_tile(Q + b * q_strides[0] + h * q_strides[1] + r64 * q_strides[2] + offs_d[None, :] * q_strides[3],
-                  rows, len_q, offs_d, D, BLOCK_D, True)
-    do = load_tile(DO + b * do_strides[0] + h * do_strides[1] + r64 * do_strides[2] + offs_dv[None, :] * do_strides[3],
-                   rows, len_q, offs_dv, DV, BLOCK_DV, True)
+    q = load_head_tile(Q, q_strides, b, h, rows, len_q, offs_d, D, BLOCK_D)
+    do = load_head_tile(DO, do_strides, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
     row_base = (b * heads_q + h) * len_q
     lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, len_q, True)
-    k_base = K + b * k_strides[0] + hk * k_strides[1]
-    v_base = V + b * v_strides[0] + hk * v_strides[1]
-    if USE_TMA:
-        k_src = tl.make_tensor_descriptor(k_base, [len_k, D], [k_strides[2], 1], [BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, [len_k, DV], [v_strides[2], 1], [BLOCK_N, BLOCK_DV])
-    else:
-        k_src = k_base
-        v_src = v_base
-    ks = (k_strides[2], k_strides[3])
-    vs = (v_strides[2], v_strides[3])
-    mask_base = MASK + b * mask_strides[0] + h * mask_strides[1]
-    ms = (mask_strides[2], mask_strides[3])
+    k_base, ks = head_slice(K, k_strides, b, hk)
+    v_base, vs = head_slice(V, v_strides, b, hk)
+    k_src = tile_source(k_base, ks, len_k, D, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = tile_source(v_base, vs, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA)
+    mask_base, ms = head_slice(MASK, mask_strides, b, h)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = tile_segments(
         m0, tl.minimum(m0 + BLOCK_M, len_q), len_q, len_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT
@@ -320,7 +288,7 @@ def attention_dq_kernel(
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
         DOT_PRECISION,
     )
-    dq_ptrs = DQ + b * dq_strides[0] + h * dq_strides[1] + r64 * dq_strides[2] + offs_d[None, :] * dq_strides[3]
+    dq_ptrs = head_tile_pointers(DQ, dq_strides, b, h, rows, offs_d)
     dq = dq * scale
     if ACCUMULATE:
         dq += load_tile(dq_ptrs, rows, len_q, offs_d, D, BLOCK_D, True)

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from .configs import ceil_div, next_power_of_two, padded_dim
+from .tiles import finalize
 
-LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # query rows (G * Nq) one program carries; more rows add row blocks
 
@@ -66,7 +66,7 @@ def default_config(rows: int, head_dim: int, value_dim: int, fills_gpu: bool = F
     launch that fills the GPU without splitting (`fills_gpu`) keeps one (2 stages),
     so that more programs are resident (`resident_per_sm`) and fewer waves run:
     at B = 64, Hk = 8 (512 programs) on the H200, 1k keys 3.82 vs 3.44 TB/s with 3
-    stages, 8k 4.40 vs 4.29, 128k 4.52-4.53 vs 4.44 (decode-tune-sweep.json); with
+    stages, 8k 4.40 vs 4.29, 128k 4.52-4.53 vs 4.44 (a sweep of the stage count); with
     fewer programs 2 stages read 4-6% less.
     """
     block_m = min(MAX_ROWS, padded_dim(rows))
@@ -88,7 +88,7 @@ REGISTERS_PER_SM = 65536
 def register_cap(config: DecodeConfig) -> int | None:
     """Registers a thread may take (Triton's `maxnreg`) where registers bound `resident_per_sm`
     (2 stages; None where shared memory does). Uncapped, the 2-stage kernel took 142 and left
-    3 programs an SM: B = 64 read 0.81-0.89x (decode-address-ab-h200.json)."""
+    3 programs an SM: B = 64 read 0.81-0.89x of the capped kernel's bandwidth on the H200."""
     if config.num_stages > 2:
         return None
     per_thread = REGISTERS_PER_SM // (resident_per_sm(config) * 32 * config.num_warps)
@@ -133,6 +133,16 @@ def _key_offsets(base, n0, stride_base, stride_n,
     if BLOCK_N % PAGE_SIZE == 0:
         return start + (keys % PAGE_SIZE) * stride_n
     return start + ((n0 + keys) % PAGE_SIZE) * stride_n
+
+
+@triton.jit
+def _key_tile(head, base, n0, key_ok, cols, stride_base, stride_n, stride_col, N_COLS: tl.constexpr,
+              BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Rows n0 .. n0 + BLOCK_N of one K/V head's cache (`head`: its origin; base: `_key_base`), columns
+    `cols`; zero where not key_ok and past N_COLS."""
+    rows = _key_offsets(base, n0, stride_base, stride_n, BLOCK_N, PAGED, PAGE_SIZE)
+    return tl.load(head + rows[:, None] + cols[None, :] * stride_col,
+                   mask=key_ok[:, None] & (cols[None, :] < N_COLS), other=0.0)
 
 
 @triton.jit
@@ -192,9 +202,7 @@ def decode_split_kernel(
         offs = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs < hi
         next_base = _key_base(n0 + BLOCK_N, hi, b, BT, stride_tb, stride_tp, BLOCK_N, PAGED, PAGE_SIZE)
-        k_rows = _key_offsets(base, n0, stride_kb, stride_kn, BLOCK_N, PAGED, PAGE_SIZE)
-        k = tl.load(k_head + k_rows[:, None] + d[None, :] * stride_kd,
-                    mask=key_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        k = _key_tile(k_head, base, n0, key_ok, d, stride_kb, stride_kn, stride_kd, HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         s = tl.where(offs[None, :] <= last_key[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -202,17 +210,13 @@ def decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = _key_offsets(base, n0, stride_vb, stride_vn, BLOCK_N, PAGED, PAGE_SIZE)
-        v = tl.load(v_head + v_rows[:, None] + dv[None, :] * stride_vd,
-                    mask=key_ok[:, None] & (dv[None, :] < VALUE_DIM), other=0.0)
+        v = _key_tile(v_head, base, n0, key_ok, dv, stride_vb, stride_vn, stride_vd, VALUE_DIM, BLOCK_N, PAGED,
+                      PAGE_SIZE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
         base = next_base
 
-    has_mass = l_i != 0.0
-    safe_l = tl.where(has_mass, l_i, 1.0)
-    out = tl.where(has_mass[:, None], acc / safe_l[:, None], 0.0)
-    lse = tl.where(has_mass, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
+    out, lse = finalize(acc, m_i, l_i)
     out_row = ((b * heads_k * group + head).to(tl.int64) * len_q + token) * num_splits + split
     tl.store(OUT + out_row[:, None] * VALUE_DIM + dv[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & (dv[None, :] < VALUE_DIM))

@@ -14,7 +14,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import LN2, dropout_keep, load_tile, masked_scores, query_row_tile, row_pointers, store_tile, tile_segments
+from .tile_io import (
+    head_slice, load_source_tile, load_tile, store_tile, tile_pointers, tile_source, tile_walk,
+)
+from .tiles import dropout_keep, finalize, masked_scores, query_row_tile, tile_segments
 
 
 @triton.jit
@@ -28,16 +31,12 @@ def forward_segment(
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Fold key tiles [tile_lo, tile_hi) into (acc, m_i, l_i); CHECK_BAND masks every element."""
-    if not USE_TMA:
-        k_ptrs, k_step = row_pointers(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d)
-        v_ptrs, v_step = row_pointers(v_src, v_strides, tile_lo, BLOCK_N, offs_n, offs_dv)
+    k_at, k_step = tile_walk(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d, USE_TMA)
+    v_at, v_step = tile_walk(v_src, v_strides, tile_lo, BLOCK_N, offs_n, offs_dv, USE_TMA)
     for tile in tl.range(tile_lo, tile_hi, warp_specialize=WARP_SPECIALIZE):
         n0 = tile * BLOCK_N
         cols = n0 + offs_n
-        if USE_TMA:
-            k = k_src.load([n0, 0])
-        else:
-            k = load_tile(k_ptrs, cols, len_k, offs_d, D, BLOCK_D, CHECK_BAND)
+        k = load_source_tile(k_at, n0, cols, len_k, offs_d, D, BLOCK_D, CHECK_BAND, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if CHECK_BAND or MASK_KIND != 0:
             s2 = masked_scores(
@@ -57,16 +56,13 @@ def forward_segment(
         if DROPOUT:
             keep = dropout_keep(seed, dropout_p, drop_base, rows[:, None], cols[None, :], len_k)
             p = tl.where(keep, p * keep_scale, 0.0)
-        if USE_TMA:
-            v = v_src.load([n0, 0])
-        else:
-            v = load_tile(v_ptrs, cols, len_k, offs_dv, DV, BLOCK_DV, CHECK_BAND)
+        v = load_source_tile(v_at, n0, cols, len_k, offs_dv, DV, BLOCK_DV, CHECK_BAND, USE_TMA)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
         if not USE_TMA:
-            k_ptrs += k_step
-            v_ptrs += v_step
+            k_at += k_step
+            v_at += v_step
     return acc, m_i, l_i
 
 
@@ -89,23 +85,16 @@ def attention_forward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q_base = Q + b * q_strides[0] + h * q_strides[1]
-    k_base = K + b * k_strides[0] + hk * k_strides[1]
-    v_base = V + b * v_strides[0] + hk * v_strides[1]
+    q_base, q_rc = head_slice(Q, q_strides, b, h)
+    k_base, kv_strides = head_slice(K, k_strides, b, hk)
+    v_base, vv_strides = head_slice(V, v_strides, b, hk)
     if USE_TMA:
-        q_desc = tl.make_tensor_descriptor(q_base, [len_q, D], [q_strides[2], 1], [BLOCK_M, BLOCK_D])
-        q = q_desc.load([m0, 0])
-        k_src = tl.make_tensor_descriptor(k_base, [len_k, D], [k_strides[2], 1], [BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, [len_k, DV], [v_strides[2], 1], [BLOCK_N, BLOCK_DV])
+        q = tile_source(q_base, q_rc, len_q, D, BLOCK_M, BLOCK_D, True).load([m0, 0])
     else:
-        q_ptrs = q_base + rows[:, None].to(tl.int64) * q_strides[2] + offs_d[None, :] * q_strides[3]
-        q = load_tile(q_ptrs, rows, len_q, offs_d, D, BLOCK_D, True)
-        k_src = k_base
-        v_src = v_base
-    kv_strides = (k_strides[2], k_strides[3])
-    vv_strides = (v_strides[2], v_strides[3])
-    mask_base = MASK + b * mask_strides[0] + h * mask_strides[1]
-    mask_rc = (mask_strides[2], mask_strides[3])
+        q = load_tile(tile_pointers(q_base, q_rc, rows, offs_d), rows, len_q, offs_d, D, BLOCK_D, True)
+    k_src = tile_source(k_base, kv_strides, len_k, D, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = tile_source(v_base, vv_strides, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA)
+    mask_base, mask_rc = head_slice(MASK, mask_strides, b, h)
     drop_base = (b * heads_q + h) * len_q
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -143,11 +132,7 @@ def attention_forward_kernel(
             MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False,
         )
 
-    has_mass = l_i != 0.0  # NaN counts as mass, so NaN propagates
-    safe_l = tl.where(has_mass, l_i, 1.0)
-    out = tl.where(has_mass[:, None], acc / safe_l[:, None], 0.0)
-    lse = tl.where(has_mass, (m_i + tl.math.log2(safe_l)) * LN2, float("-inf"))
-    o_ptrs = (O + b * o_strides[0] + h * o_strides[1]
-              + rows[:, None].to(tl.int64) * o_strides[2] + offs_dv[None, :] * o_strides[3])
-    store_tile(o_ptrs, out, rows, len_q, offs_dv, DV)
+    out, lse = finalize(acc, m_i, l_i)
+    o_base, o_rc = head_slice(O, o_strides, b, h)
+    store_tile(tile_pointers(o_base, o_rc, rows, offs_dv), out, rows, len_q, offs_dv, DV)
     tl.store(LSE + (b * heads_q + h) * len_q + rows, lse, mask=rows < len_q)

@@ -8,6 +8,8 @@ three runs: `[lo, full_lo)` and `[full_hi, hi)` need element masks (band
 edges, the diagonal, a ragged tail), `[full_lo, full_hi)` are entirely
 allowed and run without any per-element test. Rows and columns may be laid
 out either way round: every helper takes broadcastable `rows`/`cols`.
+`finalize` is the epilogue of the kernels that keep (acc, m, l) summaries.
+Where tiles lie in memory and how they are loaded is `tile_io`.
 """
 
 from __future__ import annotations
@@ -116,32 +118,11 @@ def dropout_keep(seed, dropout_p, row_base, rows, cols, len_k):
 
 
 @triton.jit
-def row_pointers(src, strides, tile_lo, BLOCK: tl.constexpr, offs, offs_col):
-    """Pointers to rows `tile_lo * BLOCK + offs`, columns `offs_col`, of a (rows, cols) slice
-    with (row, col) `strides`, and the 64-bit step to the same rows of the next tile."""
-    start = (tile_lo * BLOCK + offs).to(tl.int64)
-    ptrs = src + start[:, None] * strides[0] + offs_col[None, :] * strides[1]
-    return ptrs, tl.full([], BLOCK, tl.int64) * strides[0]
-
-
-@triton.jit
-def load_tile(
-    ptrs, rows, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr,
-):
-    """Load a (rows, cols) tile; zero outside n_rows (if CHECK_ROWS) and outside N_COLS (padded dims)."""
-    if CHECK_ROWS:
-        if N_COLS == BLOCK_COLS:
-            return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-        else:
-            return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS), other=0.0)
-    else:
-        if N_COLS == BLOCK_COLS:
-            return tl.load(ptrs)
-        else:
-            return tl.load(ptrs, mask=cols[None, :] < N_COLS, other=0.0)
-
-
-@triton.jit
-def store_tile(ptrs, value, rows, n_rows, cols, N_COLS: tl.constexpr):
-    """Store a (rows, cols) tile, cast to the destination's dtype, inside n_rows x N_COLS."""
-    tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS))
+def finalize(acc, m2, l):
+    """`exattn.algebra.finalize` of base-2 running summaries: (out, lse) = (acc / l, (m2 + log2 l) * ln 2),
+    lse natural log; a row with l = 0 gives 0 and -inf (NaN counts as mass, so NaN propagates)."""
+    has_mass = l != 0.0
+    safe_l = tl.where(has_mass, l, 1.0)
+    out = tl.where(has_mass[:, None], acc / safe_l[:, None], 0.0)
+    lse = tl.where(has_mass, (m2 + tl.math.log2(safe_l)) * LN2, float("-inf"))
+    return out, lse
