@@ -6,6 +6,7 @@ from .backends import BackendChoice
 from .decode import decode
 from .dropout import dropout_mask
 from .sdpa import sdpa
+from .varlen import attention_varlen, explain_varlen_backend
 from . import reference
 
 __version__ = "0.1.0"
@@ -14,9 +15,11 @@ __all__ = [
     "BackendChoice",
     "BlockSummary",
     "attention",
+    "attention_varlen",
     "decode",
     "dropout_mask",
     "explain_backend",
+    "explain_varlen_backend",
     "finalize",
     "merge",
     "merge_states",

@@ -19,6 +19,18 @@ class AttentionParams:
     """The non-tensor part of a problem: hashable, so kernels and custom ops can key on it.
 
     `window` is `(left, right)` with causal folded in (`-1` = unbounded).
+
+    `dropout_grid` says where the dropout keep-mask of this problem is read.
+    None (the default): at `(b, h, i, j)` of the problem's own `(B, Hq, Nq, Nk)`,
+    i.e. Philox counter `((b * Hq + h) * Nq + i) * Nk + j`. `(first, rows, cols)`:
+    at `(first + b, h, i, j)` of a larger `(first + B.., Hq, rows, cols)` grid
+    (`rows >= Nq`, `cols >= Nk`), i.e. counter
+
+        (((first + b) * Hq + h) * rows + i) * cols + j
+
+    so a piece cut out of a padded problem draws the padded problem's mask. Packed
+    variable-length batches use it: sequence `b` of `attention_varlen` reads
+    `(B, Hq, max_seqlen_q, max_seqlen_k)` at batch index `b` (see `exattn.varlen`).
     """
 
     scale: float
@@ -27,10 +39,17 @@ class AttentionParams:
     seed: int = 0
     block_m: int | None = None
     block_n: int | None = None
+    dropout_grid: tuple[int, int, int] | None = None
 
     @property
     def is_banded(self) -> bool:
         return self.window != (UNBOUNDED, UNBOUNDED)
+
+    def dropout_layout(self, batch: int, len_q: int, len_k: int) -> tuple[range, int, int]:
+        """Where a (batch, Hq, len_q, len_k) problem reads its keep-mask: the grid's batch
+        indices of its batch entries, and the grid's (rows, cols); see `dropout_grid`."""
+        first, rows, cols = self.dropout_grid or (0, len_q, len_k)
+        return range(first, first + batch), rows, cols
 
 
 @dataclass(frozen=True)
@@ -108,7 +127,7 @@ def check_accumulators(accumulate_into: object, q: torch.Tensor, k: torch.Tensor
     return tuple(accumulate_into)
 
 
-def check_tensor(name: str, x: object, ndim: int) -> torch.Tensor:
+def check_tensor(name: str, x: object, ndim: int, layout: str = "(batch, heads, seq, dim)") -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -117,7 +136,7 @@ def check_tensor(name: str, x: object, ndim: int) -> torch.Tensor:
         )
     if x.dim() != ndim:
         raise ValueError(
-            f"{name} must have {ndim} dims (batch, heads, seq, dim), got shape {tuple(x.shape)}"
+            f"{name} must have {ndim} dims {layout}, got shape {tuple(x.shape)}"
         )
     return x
 
@@ -234,19 +253,32 @@ def check_block(name: str, value: object) -> int | None:
     return value
 
 
-def make_problem(
-    q, k, v, *, causal=False, window=None, mask=None, scale=None,
-    dropout_p=0.0, seed=None, block_m=None, block_n=None,
-) -> AttentionProblem:
-    check_qkv(q, k, v)
+def make_params(
+    head_dim: int, *, causal=False, window=None, scale=None, dropout_p=0.0, seed=None,
+    block_m=None, block_n=None, dropout_grid: tuple[int, int, int] | None = None,
+) -> AttentionParams:
+    """The checked non-tensor arguments: causal folded into the window, scale defaulted to
+    head_dim ** -0.5, a seed drawn when dropout_p > 0 and none is given."""
     left_right = check_window(window, causal)
     dropout_p, seed = check_dropout(dropout_p, seed)
-    params = AttentionParams(
-        scale=check_scale(scale, q.shape[3]),
+    return AttentionParams(
+        scale=check_scale(scale, head_dim),
         window=left_right,
         dropout_p=dropout_p,
         seed=seed,
         block_m=check_block("block_m", block_m),
         block_n=check_block("block_n", block_n),
+        dropout_grid=dropout_grid,
+    )
+
+
+def make_problem(
+    q, k, v, *, causal=False, window=None, mask=None, scale=None,
+    dropout_p=0.0, seed=None, block_m=None, block_n=None,
+) -> AttentionProblem:
+    check_qkv(q, k, v)
+    params = make_params(
+        q.shape[3], causal=causal, window=window, scale=scale, dropout_p=dropout_p, seed=seed,
+        block_m=block_m, block_n=block_n,
     )
     return AttentionProblem(q=q, k=k, v=v, mask=check_mask(mask, q, k), params=params)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dropout import dropout_mask
+from ..dropout import keep_tile
 from ..problem import AttentionProblem
 from ..reference import apply_dropout, dense_scores, softmax_rows
 
@@ -26,9 +26,11 @@ class NaiveBackend:
             mask = mask.to(q.dtype)
         scores = dense_scores(q, k, params.scale, params.window, mask)
         keep = None
-        if params.dropout_p > 0:
-            shape = (problem.batch, problem.heads_q, problem.len_q, problem.len_k)
-            keep = dropout_mask(params.seed, shape, params.dropout_p, device=q.device)
+        if params.dropout_p > 0:  # on the problem's own grid, or a padded one (params.dropout_grid)
+            batch, rows, cols = params.dropout_layout(problem.batch, problem.len_q, problem.len_k)
+            shape = (batch.stop, problem.heads_q, rows, cols)
+            keep = keep_tile(params.seed, params.dropout_p, shape, batch, range(problem.heads_q),
+                             range(problem.len_q), range(problem.len_k), q.device)
         weights = apply_dropout(softmax_rows(scores), keep, params.dropout_p)
         group = problem.group
         out = torch.matmul(weights, v.repeat_interleave(group, dim=1))

@@ -127,10 +127,12 @@ class TileContext:
         """keep / (1 - p) for the tile, stacked (B, Hk, G * rows, cols); None without dropout."""
         if self.params.dropout_p == 0.0:
             return None
-        shape = (self.batch, self.heads_q, self.len_q, self.len_k)
+        # The mask's grid: this problem's own shape, or a padded one (params.dropout_grid).
+        batch, grid_rows, grid_cols = self.params.dropout_layout(self.batch, self.len_q, self.len_k)
+        shape = (batch.stop, self.heads_q, grid_rows, grid_cols)
         keep = keep_tile(
             self.params.seed, self.params.dropout_p, shape,
-            range(self.batch), range(self.heads_q), rows, cols, self.device,
+            batch, range(self.heads_q), rows, cols, self.device,
         )
         weights = keep.to(self.dtype) * self.keep_scale
         return weights.view(self.batch, self.heads_k, self.group * len(rows), len(cols))

@@ -1,0 +1,470 @@
+"""`exattn.attention_varlen`: packed variable-length batches, token-major.
+
+Sequence `b` owns query rows `cu_seqlens_q[b] : cu_seqlens_q[b+1]` of
+`q: (total_q, Hq, D)` and key rows `cu_seqlens_k[b] : cu_seqlens_k[b+1]` of
+`k: (total_k, Hk, D)`, `v: (total_k, Hk, Dv)`. Every rule of `attention`
+applies per sequence, with its own lengths (causal and window bottom-right
+within the sequence); no query attends a key of another sequence. Packed
+`[A A A | B B]` queries against `[a a a a | b b]` keys, causal (`x` = allowed):
+
+    key   a0 a1 a2 a3 b0 b1
+    A0    x  x  .  .  .  .
+    A1    x  x  x  .  .  .
+    A2    x  x  x  x  .  .
+    B0    .  .  .  .  x  .
+    B1    .  .  .  .  x  x
+
+The arguments are checked once, into a `VarlenProblem`. Backends:
+
+- "tiled": per sequence, (1, H, N, d) views of the packed tensors run through
+  the dense tiled passes (`backends/tiled.py`); one sequence's score tile at a time.
+- "naive": per sequence, the textbook formula in the input dtype.
+- "triton": the fused kernels of `exattn.backends.triton.varlen`, when that
+  module exists (the hook: see `triton_reasons` and `VarlenPasses`).
+
+Dropout: weight `(b, h, i, j)` (local positions) is kept iff
+`dropout_mask(seed, (B, Hq, max_seqlen_q, max_seqlen_k), p)[b, h, i, j]`. A dense
+pass over sequence `b` reads that padded grid through
+`AttentionParams.dropout_grid = (b, max_seqlen_q, max_seqlen_k)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import numbers
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal, NamedTuple, overload
+
+import torch
+
+from .backends import AUTO_PRIORITY, BackendChoice, check_backend_name
+from .backends.naive import NaiveBackend
+from .backends.tiled import tiled_backward, tiled_forward
+from .problem import (
+    AttentionParams,
+    AttentionProblem,
+    check_qkv,
+    check_tensor,
+    compute_dtype,
+    make_params,
+)
+
+TRITON_VARLEN_MODULE = "exattn.backends.triton.varlen"
+TRITON_NOT_BUILT = "the Triton varlen kernels are not built"
+PACKED_LAYOUT = "(total, heads, dim)"
+
+
+@dataclass(frozen=True)
+class VarlenProblem:
+    """Validated `attention_varlen` inputs.
+
+    q: (total_q, Hq, D); k: (total_k, Hk, D); v: (total_k, Hk, Dv), any strides.
+    cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on q's device.
+    `params` is the `AttentionParams` every sequence shares (causal folded into
+    `window`; `dropout_grid` None: each pass places sequence b on the padded
+    (B, Hq, max_seqlen_q, max_seqlen_k) grid itself). `validated`: whether the
+    offsets' values were checked (`validate=True`); if not, bad offsets are
+    undefined behaviour.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    params: AttentionParams
+    validated: bool
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+    @property
+    def heads_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def heads_k(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_k
+
+    @property
+    def total_q(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def total_k(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[2]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return compute_dtype(self.q.dtype)
+
+    @property
+    def mask(self) -> None:
+        """Varlen takes no mask; None, so the dense backends' reason functions apply as they are."""
+        return None
+
+
+# ---------------------------------------------------------------- validation
+
+
+def check_offsets(name: str, offsets: object, q: torch.Tensor) -> torch.Tensor:
+    """What can be checked of `cu_seqlens_*` without reading its values."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 offsets (B + 1,), got {type(offsets).__name__}")
+    if offsets.dtype != torch.int32:
+        raise TypeError(f"{name} must be torch.int32, got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.shape[0] == 0:
+        raise ValueError(f"{name} must be 1-D of shape (B + 1,) with B >= 0, got shape {tuple(offsets.shape)}")
+    if offsets.device != q.device:
+        raise ValueError(f"{name} is on {offsets.device} but q is on {q.device}; offsets must be on q's device")
+    return offsets
+
+
+def check_max_seqlen(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def offsets_to_host(offsets: torch.Tensor) -> list[int]:
+    """The offsets as Python ints: one device-to-host copy (a sync on a GPU)."""
+    return offsets.tolist()
+
+
+def check_offset_values(name: str, offsets: list[int], total: int, total_name: str,
+                        max_seqlen: int, max_name: str) -> None:
+    """The rules that need the offsets' values: start at 0, non-decreasing, end at the total,
+    no sequence longer than max_seqlen."""
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {offsets[0]}")
+    for b in range(len(offsets) - 1):
+        length = offsets[b + 1] - offsets[b]
+        if length < 0:
+            raise ValueError(
+                f"{name} must be non-decreasing, got {name}[{b + 1}] = {offsets[b + 1]} "
+                f"< {name}[{b}] = {offsets[b]}"
+            )
+        if length > max_seqlen:
+            raise ValueError(
+                f"{max_name} = {max_seqlen} must be at least the longest sequence, got sequence {b} "
+                f"of length {length} ({name}[{b + 1}] - {name}[{b}])"
+            )
+    if offsets[-1] != total:
+        raise ValueError(f"{name} must end at {total_name} = {total}, got {name}[-1] = {offsets[-1]}")
+
+
+def make_varlen_problem(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, window=None,
+    scale=None, dropout_p=0.0, seed=None, block_m=None, block_n=None, validate=True,
+) -> VarlenProblem:
+    """Check every argument of `attention_varlen` (the offsets' values only if `validate`)."""
+    q, k, v = (check_tensor(name, x, 3, PACKED_LAYOUT) for name, x in (("q", q), ("k", k), ("v", v)))
+    # The dense rules (dtypes, devices, heads, dims) on (1, H, total, d) views: one copy of them.
+    check_qkv(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)))
+    cu_q, cu_k = check_offsets("cu_seqlens_q", cu_seqlens_q, q), check_offsets("cu_seqlens_k", cu_seqlens_k, q)
+    if cu_k.shape[0] != cu_q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has {cu_q.shape[0]}; "
+            "both must be (B + 1,) for the same B"
+        )
+    max_q, max_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    batch = cu_q.shape[0] - 1
+    for x, total_name, max_name, most in ((q, "total_q", "max_seqlen_q", max_q), (k, "total_k", "max_seqlen_k", max_k)):
+        if x.shape[0] > batch * most:
+            raise ValueError(
+                f"{total_name} = {x.shape[0]} rows cannot be packed into B = {batch} sequences of at most "
+                f"{max_name} = {most} rows; {max_name} must be at least the longest sequence"
+            )
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    if validate:
+        check_offset_values("cu_seqlens_q", offsets_to_host(cu_q), q.shape[0], "total_q", max_q, "max_seqlen_q")
+        check_offset_values("cu_seqlens_k", offsets_to_host(cu_k), k.shape[0], "total_k", max_k, "max_seqlen_k")
+    params = make_params(
+        q.shape[2], causal=causal, window=window, scale=scale, dropout_p=dropout_p, seed=seed,
+        block_m=block_m, block_n=block_n,
+    )
+    return VarlenProblem(q, k, v, cu_q, cu_k, max_q, max_k, params, validate)
+
+
+# ---------------------------------------------------------------- per-sequence views
+
+
+def sequence_view(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows of a packed (total, H, d) tensor as a dense (1, H, n, d) view (no copy)."""
+    return x[rows].transpose(0, 1).unsqueeze(0)
+
+
+def sequences(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    """(b, query rows, key rows) of every sequence with queries and keys. Reads the offsets to
+    the host (a sync on a GPU): acceptable for the PyTorch paths, which loop on the host anyway.
+    A sequence with no queries or no keys is skipped: its rows keep zeros, lse -inf, zero grads."""
+    offsets_q, offsets_k = offsets_to_host(cu_q), offsets_to_host(cu_k)
+    for b in range(len(offsets_q) - 1):
+        rows_q = slice(offsets_q[b], offsets_q[b + 1])
+        rows_k = slice(offsets_k[b], offsets_k[b + 1])
+        if rows_q.stop > rows_q.start and rows_k.stop > rows_k.start:
+            yield b, rows_q, rows_k
+
+
+def sequence_params(params: AttentionParams, b: int, max_q: int, max_k: int) -> AttentionParams:
+    """Sequence b's params: its keep-mask read at batch b of the (B, Hq, max_q, max_k) grid."""
+    return replace(params, dropout_grid=(b, max_q, max_k))
+
+
+# ---------------------------------------------------------------- the tiled passes
+
+
+def tiled_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: AttentionParams):
+    """out (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) in the compute dtype."""
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=compute_dtype(q.dtype), device=q.device)
+    for b, rows_q, rows_k in sequences(cu_q, cu_k):
+        out_b, lse_b = tiled_forward(
+            sequence_view(q, rows_q), sequence_view(k, rows_k), sequence_view(v, rows_k), None,
+            sequence_params(params, b, max_q, max_k),
+        )
+        sequence_view(out, rows_q).copy_(out_b)
+        lse[:, rows_q] = lse_b[0]
+    return out, lse
+
+
+def tiled_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out, lse, params: AttentionParams):
+    """dq, dk, dv in the dtypes of q, k, v, recomputed per sequence from the saved lse."""
+    dtype = compute_dtype(q.dtype)
+    grads = tuple(torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
+    dq, dk, dv = grads
+    for b, rows_q, rows_k in sequences(cu_q, cu_k):
+        tiled_backward(
+            sequence_view(dout, rows_q), sequence_view(q, rows_q), sequence_view(k, rows_k),
+            sequence_view(v, rows_k), None, sequence_view(out, rows_q), lse[:, rows_q].unsqueeze(0),
+            sequence_params(params, b, max_q, max_k),
+            accumulate_into=(sequence_view(dq, rows_q), sequence_view(dk, rows_k), sequence_view(dv, rows_k)),
+        )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class VarlenPasses(NamedTuple):
+    """A varlen backend's raw passes (no autograd), the hook's interface:
+
+        forward(q, k, v, cu_q, cu_k, max_q, max_k, params) -> (out, lse)
+        backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, out, lse, params) -> (dq, dk, dv)
+
+    out (total_q, Hq, Dv) in q's dtype; lse (Hq, total_q), natural log, float32 (the
+    tiled pass: the compute dtype), -inf for rows with no allowed key; dq, dk, dv in the
+    dtypes of q, k, v.
+    """
+
+    forward: Callable
+    backward: Callable
+
+
+TILED_PASSES = VarlenPasses(tiled_varlen_forward, tiled_varlen_backward)
+
+
+class VarlenAttention(torch.autograd.Function):
+    """Saves q, k, v, out, lse and the offsets (no N x N tensor); no gradient into the offsets."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, params, passes):
+        out, lse = passes.forward(q, k, v, cu_q, cu_k, max_q, max_k, params)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.max_q, ctx.max_k, ctx.params, ctx.passes = max_q, max_k, params, passes
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = ctx.passes.backward(dout, q, k, v, cu_q, cu_k, ctx.max_q, ctx.max_k, out, lse, ctx.params)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------- naive
+
+
+def naive_varlen(problem: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the naive backend (textbook formula, input dtype); plain autograd."""
+    q, k, v, params = problem.q, problem.k, problem.v, problem.params
+    out = q.new_zeros(problem.total_q, problem.heads_q, problem.value_dim)
+    lse = torch.full((problem.heads_q, problem.total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    for b, rows_q, rows_k in sequences(problem.cu_seqlens_q, problem.cu_seqlens_k):
+        dense = AttentionProblem(
+            sequence_view(q, rows_q), sequence_view(k, rows_k), sequence_view(v, rows_k), None,
+            sequence_params(params, b, problem.max_seqlen_q, problem.max_seqlen_k),
+        )
+        out_b, lse_b = NaiveBackend().run(dense)
+        out[rows_q] = out_b[0].transpose(0, 1)
+        lse[:, rows_q] = lse_b[0]
+    return out, lse
+
+
+# ---------------------------------------------------------------- the Triton hook and dispatch
+
+
+def triton_varlen_module():
+    """`exattn.backends.triton.varlen` if it exists (imported), else None. It provides
+    `triton_varlen_forward` and `triton_varlen_backward` (the signatures of `VarlenPasses`),
+    and may provide `varlen_reasons(problem: VarlenProblem) -> list[str]`."""
+    if TRITON_VARLEN_MODULE not in sys.modules and importlib.util.find_spec(TRITON_VARLEN_MODULE) is None:
+        return None
+    return importlib.import_module(TRITON_VARLEN_MODULE)
+
+
+def triton_reasons(problem: VarlenProblem) -> list[str]:
+    """Every reason the Triton varlen kernels cannot serve this problem (empty if they can):
+    the dense kernels' limits (device, dtype, dims, tiles) and the varlen module's own."""
+    if importlib.util.find_spec("triton") is None:
+        return ["triton is not installed"]
+    module = triton_varlen_module()
+    if module is None:
+        return [TRITON_NOT_BUILT]
+    from .backends.triton import problem_reasons
+
+    reasons = problem_reasons(problem)
+    if hasattr(module, "varlen_reasons"):
+        reasons = reasons + module.varlen_reasons(problem)
+    return reasons
+
+
+def triton_auto_reasons(problem: VarlenProblem) -> list[str]:
+    """Why "auto" passes triton over although it could run by name (the CPU interpreter)."""
+    from .backends.triton import TritonBackend
+
+    return TritonBackend().auto_reasons(problem)
+
+
+def choose_varlen_backend(problem: VarlenProblem, name: str = "auto") -> BackendChoice:
+    """Resolve `name` for this problem, or raise ValueError listing every reason.
+    "auto" walks triton then tiled, as `attention` does; tiled and naive serve everything."""
+    check_backend_name(name)
+    candidates = AUTO_PRIORITY if name == "auto" else (name,)
+    rejected: dict[str, list[str]] = {}
+    for candidate in candidates:
+        reasons = triton_reasons(problem) if candidate == "triton" else []
+        if name == "auto" and candidate == "triton":
+            reasons = reasons + triton_auto_reasons(problem)
+        if not reasons:
+            return BackendChoice(candidate, rejected)
+        rejected[candidate] = reasons
+    details = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
+    raise ValueError(f"backend {name!r} cannot serve these inputs ({details})")
+
+
+def run_varlen(problem: VarlenProblem, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) from the chosen backend; lse (Hq, total_q) may be float64 for float64 inputs."""
+    name = choose_varlen_backend(problem, backend).name
+    if name == "naive":
+        return naive_varlen(problem)
+    if name == "tiled":
+        passes = TILED_PASSES
+    else:
+        module = triton_varlen_module()
+        passes = VarlenPasses(module.triton_varlen_forward, module.triton_varlen_backward)
+    return VarlenAttention.apply(
+        problem.q, problem.k, problem.v, problem.cu_seqlens_q, problem.cu_seqlens_k,
+        problem.max_seqlen_q, problem.max_seqlen_k, problem.params, passes,
+    )
+
+
+# ---------------------------------------------------------------- public entry points
+
+
+@overload
+def attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
+    window: tuple[int, int] | None = ..., scale: float | None = ..., dropout_p: float = ...,
+    seed: int | None = ..., return_lse: Literal[False] = ..., backend: str = ...,
+    block_m: int | None = ..., block_n: int | None = ..., validate: bool = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
+    window: tuple[int, int] | None = ..., scale: float | None = ..., dropout_p: float = ...,
+    seed: int | None = ..., return_lse: Literal[True], backend: str = ...,
+    block_m: int | None = ..., block_n: int | None = ..., validate: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, window=None,
+    scale=None, dropout_p=0.0, seed=None, return_lse=False, backend="auto", block_m=None,
+    block_n=None, validate=True,
+):
+    """Exact softmax attention over a packed batch of variable-length sequences.
+
+    Args:
+        q: (total_q, Hq, D). k: (total_k, Hk, D). v: (total_k, Hk, Dv); Hq % Hk == 0,
+            query head h reads K/V head h // (Hq // Hk). Any strides (e.g. q = qkv[:, 0]).
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on q's device, starting at 0,
+            non-decreasing, ending at total_q / total_k: sequence b owns query rows
+            cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows cu_seqlens_k[b]:cu_seqlens_k[b+1].
+            Zero-length sequences are allowed.
+        max_seqlen_q, max_seqlen_k: Python ints >= the longest query / key sequence.
+        causal: per sequence, bottom-right aligned: local query i sees local key j iff
+            j <= i + Nk_b - Nq_b.
+        window: (left, right), each >= 0 or -1 (unbounded), per sequence:
+            i + Nk_b - Nq_b - left <= j <= i + Nk_b - Nq_b + right. Combines with causal.
+        scale: score scale, default D ** -0.5.
+        dropout_p: dropout on the normalized weights, in [0, 1). Weight (b, h, i, j) is kept iff
+            exattn.dropout_mask(seed, (B, Hq, max_seqlen_q, max_seqlen_k), dropout_p)[b, h, i, j].
+        seed: int in [0, 2**63); None draws one from torch's default generator.
+        return_lse: also return lse (Hq, total_q), natural log, float32, -inf for rows
+            with no allowed key (whose output is 0).
+        backend: "auto", "triton", "tiled" or "naive" (see `explain_varlen_backend`).
+        block_m, block_n: query and key tile sizes; None lets the backend choose.
+        validate: check the offsets' values (may sync with the device). False skips
+            those checks (CUDA graphs); offsets that break the rules are then undefined
+            behaviour. The "tiled" and "naive" paths read the offsets to the host anyway
+            (they loop over sequences there), so only the fused path can be graph-captured.
+
+    Returns:
+        out (total_q, Hq, Dv) in q's dtype, or (out, lse) if return_lse. Differentiable
+        in q, k, v.
+    """
+    problem = make_varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        window=window, scale=scale, dropout_p=dropout_p, seed=seed, block_m=block_m,
+        block_n=block_n, validate=validate,
+    )
+    out, lse = run_varlen(problem, backend)
+    if not return_lse:
+        return out
+    return out, lse.to(torch.float32)
+
+
+def explain_varlen_backend(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, window=None,
+    scale=None, dropout_p=0.0, seed=None, backend="auto", block_m=None, block_n=None, validate=True,
+) -> BackendChoice:
+    """Which backend `attention_varlen` would run for these arguments, and why the others were passed over."""
+    problem = make_varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        window=window, scale=scale, dropout_p=dropout_p, seed=seed, block_m=block_m,
+        block_n=block_n, validate=validate,
+    )
+    return choose_varlen_backend(problem, backend)

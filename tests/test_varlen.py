@@ -1,0 +1,430 @@
+"""`attention_varlen`: packed variable-length batches against the float64 oracle, per sequence."""
+
+import sys
+import types
+
+import pytest
+import torch
+from error_rule import assert_matches_oracle
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import exattn
+from exattn.backends.naive import NaiveBackend
+from exattn.backends.tiled import tiled_forward
+from exattn.problem import AttentionParams, AttentionProblem
+from exattn.reference import attention_ref
+from exattn.varlen import (
+    TILED_PASSES,
+    TRITON_NOT_BUILT,
+    TRITON_VARLEN_MODULE,
+    make_varlen_problem,
+    triton_reasons,
+)
+
+SEED = 1234
+
+
+def offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def pack(lens_q, lens_k, hq=4, hk=2, d=24, dv=24, dtype=torch.float32, seed=0, logit_scale=1.0):
+    """Packed q (total_q, hq, d), k (total_k, hk, d), v (total_k, hk, dv) and their offsets."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    q = rand(sum(lens_q), hq, d, scale=logit_scale)
+    k, v = rand(sum(lens_k), hk, d), rand(sum(lens_k), hk, dv)
+    return q, k, v, offsets(lens_q), offsets(lens_k)
+
+
+def view(x, start, stop):
+    return x[start:stop].transpose(0, 1).unsqueeze(0)
+
+
+def oracle(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p=0.0, seed=SEED, **kwargs):
+    """Float64, per sequence: attention_ref on (1, H, N, d) views, assembled into the packed layout;
+    dropout through the SPEC's padded rule, dropout_mask(seed, (B, Hq, max_q, max_k))[b, :, :Nq, :Nk]."""
+    batch, hq = cu_q.shape[0] - 1, q.shape[1]
+    keep = exattn.dropout_mask(seed, (batch, hq, max_q, max_k), dropout_p) if dropout_p else None
+    out = torch.zeros(q.shape[0], hq, v.shape[2], dtype=torch.float64)
+    lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        (q0, q1), (k0, k1) = cu_q[b : b + 2].tolist(), cu_k[b : b + 2].tolist()
+        if q1 == q0 or k1 == k0:
+            continue
+        mask_b = None if keep is None else keep[b : b + 1, :, : q1 - q0, : k1 - k0]
+        out_b, lse_b = attention_ref(view(q, q0, q1), view(k, k0, k1), view(v, k0, k1), return_lse=True,
+                                     dropout_mask=mask_b, dropout_p=dropout_p or None, **kwargs)
+        out[q0:q1] = out_b[0].transpose(0, 1)
+        lse[:, q0:q1] = lse_b[0]
+    return out, lse
+
+
+def with_grads(fn, q, k, v, dout):
+    """out, lse, dq, dk, dv; a gradient no row reaches is zeros."""
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out, lse = fn(q, k, v)
+    if out.requires_grad:
+        grads = torch.autograd.grad(out, (q, k, v), dout.to(out.dtype), allow_unused=True)
+    else:
+        grads = (None, None, None)
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, (q, k, v))]
+    return (out.detach(), lse.detach(), *grads)
+
+
+def varlen(backend, max_q, max_k, cu_q, cu_k, **kwargs):
+    def run(q, k, v):
+        return exattn.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend=backend,
+                                       return_lse=True, **kwargs)
+    return run
+
+
+def check(lens_q, lens_k, dtype=torch.float32, *, hq=4, hk=2, d=24, dv=24, slack=(0, 0), seed=0,
+          logit_scale=1.0, tiles=(None, None), transform=lambda x: x, backends=("tiled", "naive"),
+          judge=("out", "lse", "dq", "dk", "dv"), **kwargs):
+    """The backends' out, lse, dq, dk, dv (those named in `judge`) against the oracle, by the
+    project's 2x same-dtype rule. Naive is the baseline itself: in float32 and float64 it is held
+    to the oracle within its dtype's floor, in half precision it is only the baseline."""
+    q, k, v, cu_q, cu_k = pack(lens_q, lens_k, hq, hk, d, dv, dtype, seed, logit_scale)
+    q, k, v = (transform(x) for x in (q, k, v))
+    max_q, max_k = max(lens_q, default=0) + slack[0], max(lens_k, default=0) + slack[1]
+    dout = torch.randn(q.shape[0], hq, dv, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    drop = {"seed": SEED, "dropout_p": kwargs.pop("dropout_p")} if kwargs.get("dropout_p") else {}
+    ref = with_grads(lambda q, k, v: oracle(q, k, v, cu_q, cu_k, max_q, max_k, **drop, **kwargs), q, k, v, dout)
+    naive = with_grads(varlen("naive", max_q, max_k, cu_q, cu_k, **drop, **kwargs), q, k, v, dout)
+    names = ("out", "lse", "dq", "dk", "dv")
+    results = {}
+    if dtype not in (torch.float32, torch.float64):
+        backends = tuple(b for b in backends if b != "naive")
+    for backend in backends:
+        if backend == "naive":
+            mine, base = naive, ref  # the baseline itself: judged by the floor alone
+        else:
+            mine = with_grads(varlen(backend, max_q, max_k, cu_q, cu_k, block_m=tiles[0], block_n=tiles[1],
+                                     **drop, **kwargs), q, k, v, dout)
+            base = naive
+        assert mine[0].dtype == dtype and mine[0].shape == (q.shape[0], hq, dv)
+        assert mine[1].dtype == torch.float32 and mine[1].shape == (hq, q.shape[0])
+        for name, x, y, r in zip(names, mine, base, ref):
+            if name not in judge:
+                continue
+            # lse is float32 by contract: the baseline's own lse is held to float32's floor
+            floor_dtype = torch.float32 if backend == "naive" and name == "lse" else dtype
+            assert_matches_oracle(f"{backend}/{name}", x, y, r, floor_dtype)
+        results[backend] = mine
+    return results
+
+
+# ---------------------------------------------------------------- random packings
+
+
+@st.composite
+def packings(draw):
+    n = draw(st.integers(1, 6))
+    lengths = st.lists(st.integers(0, 70), min_size=n, max_size=n)
+    hk, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3]))
+    d = draw(st.sampled_from([8, 13, 24]))
+    window = draw(st.one_of(st.none(), st.tuples(st.integers(-1, 9), st.integers(-1, 9))))
+    return {
+        "lens_q": draw(lengths), "lens_k": draw(lengths), "hq": hk * group, "hk": hk, "d": d,
+        "dv": draw(st.sampled_from([d, 5, 16])), "causal": draw(st.booleans()), "window": window,
+        "slack": (draw(st.integers(0, 3)), draw(st.integers(0, 3))),
+        "tiles": draw(st.sampled_from([(None, None), (16, 16), (24, 9)])),
+        "dropout_p": draw(st.sampled_from([0.0, 0.0, 0.3])), "seed": draw(st.integers(0, 1000)),
+    }
+
+
+@settings(max_examples=25, deadline=None)
+@given(packings())
+def test_random_packings_float32_tiled_and_naive(case):
+    check(dtype=torch.float32, **case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(packings())
+def test_random_packings_float64_tiled_matches_the_oracle(case):
+    check(dtype=torch.float64, **{**case, "tiles": (None, None)})
+
+
+# ---------------------------------------------------------------- awkward packings
+
+
+@pytest.mark.parametrize("lens_q, lens_k", [
+    ([0, 5, 0, 7], [4, 6, 3, 9]),     # empty query sequences
+    ([3, 5, 2], [0, 6, 0]),           # empty key sequences: zeros, lse -inf
+    ([0, 4, 0, 3], [0, 5, 0, 0]),     # empty in both, and mixed
+    ([0], [0]),                       # nothing at all
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_zero_length_sequences(lens_q, lens_k, causal):
+    results = check(lens_q, lens_k, causal=causal, tiles=(4, 4))
+    cu_q = offsets(lens_q).tolist()
+    for out, lse, dq, _, _ in results.values():
+        for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+            if nk == 0:
+                rows = slice(cu_q[b], cu_q[b + 1])
+                assert torch.equal(out[rows], torch.zeros_like(out[rows]))
+                assert torch.isneginf(lse[:, rows]).all()
+                assert torch.equal(dq[rows], torch.zeros_like(dq[rows]))
+
+
+def test_total_smaller_than_the_number_of_sequences():
+    check([0, 1, 0, 0, 1, 0], [1, 0, 0, 2, 1, 0], causal=True)
+
+
+def test_one_sequence_of_length_one():
+    check([1], [1], hq=1, hk=1, d=8, dv=8)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "naive"])
+def test_rows_with_no_allowed_key_give_zeros_minus_inf_and_zero_grads(backend):
+    lens_q, lens_k = [9, 3], [4, 3]  # causal, Nq > Nk: rows 0..4 of sequence 0 see nothing
+    q, k, v, cu_q, cu_k = pack(lens_q, lens_k, hq=2, hk=1, d=8, dv=8)
+    dout = torch.randn(q.shape[0], 2, 8, dtype=torch.float64)
+    out, lse, dq, dk, dv = with_grads(varlen(backend, 9, 4, cu_q, cu_k, causal=True, block_m=4, block_n=2),
+                                      q, k, v, dout)
+    empty = slice(0, 5)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert torch.isneginf(lse[:, empty]).all() and torch.isfinite(lse[:, 5:]).all()
+    assert torch.equal(dq[empty], torch.zeros_like(dq[empty]))
+    for t in (out, lse, dq, dk, dv):
+        assert not torch.isnan(t).any()
+    check(lens_q, lens_k, hq=2, hk=1, d=8, dv=8, causal=True, tiles=(4, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_huge_logits(dtype):
+    """Forward by the rule. The gradients are those of the dense tiled backend on each sequence
+    (the varlen path adds nothing of its own): with logits this large, recomputing P from the
+    saved float32 lse can exceed the 2x rule in float32, in the dense backend as well."""
+    lens_q, lens_k = [17, 40, 3], [23, 40, 9]
+    check(lens_q, lens_k, dtype, causal=True, logit_scale=300.0, tiles=(16, 16), judge=("out", "lse"),
+          backends=("tiled",))
+    q, k, v, cu_q, cu_k = pack(lens_q, lens_k, dtype=dtype, logit_scale=300.0)
+    dout = torch.randn(q.shape[0], 4, 24, dtype=torch.float64)
+    packed = with_grads(varlen("tiled", 40, 40, cu_q, cu_k, causal=True, block_m=16, block_n=16), q, k, v, dout)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(3):
+        rows_q, rows_k = (cq[b], cq[b + 1]), (ck[b], ck[b + 1])
+        dense = with_grads(
+            lambda q, k, v: exattn.attention(q, k, v, causal=True, backend="tiled", block_m=16, block_n=16,
+                                             return_lse=True),
+            view(q, *rows_q), view(k, *rows_k), view(v, *rows_k), view(dout, *rows_q),
+        )
+        for grad, dense_grad, rows in zip(packed[2:], dense[2:], (rows_q, rows_k, rows_k)):
+            assert torch.isfinite(grad).all()
+            torch.testing.assert_close(view(grad, *rows), dense_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    check([17, 0, 40], [23, 5, 33], dtype, window=(6, 2), tiles=(16, 16))
+
+
+def test_strided_views_of_a_packed_qkv_buffer():
+    lens = [13, 0, 29, 7]
+    total, h, d = sum(lens), 3, 16
+    qkv = torch.randn(total, 3, h, d)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    assert not q.is_contiguous()
+    cu = offsets(lens)
+    out = exattn.attention_varlen(q, k, v, cu, cu, 29, 29, causal=True, backend="tiled", block_m=8, block_n=8)
+    dense = exattn.attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, 29, 29,
+                                    causal=True, backend="tiled", block_m=8, block_n=8)
+    assert torch.equal(out, dense)
+
+    def strided(x):  # (total, H, d) stored as a slice of (total, 3, H, d)
+        wide = torch.stack([x, torch.randn_like(x), torch.randn_like(x)], dim=1)
+        return wide[:, 0]
+
+    check(lens, lens, causal=True, transform=strided, tiles=(8, 8))
+
+
+def test_float64_grads_pass_gradcheck():
+    q, k, v, cu_q, cu_k = pack([2, 0, 4], [3, 2, 3], hq=2, hk=1, d=4, dv=3, dtype=torch.float64)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    for kwargs in ({}, {"causal": True}, {"window": (2, 1)}, {"dropout_p": 0.3, "seed": 7, "causal": True}):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, kwargs=kwargs: exattn.attention_varlen(
+                q, k, v, cu_q, cu_k, 4, 3, backend="tiled", block_m=2, block_n=2, **kwargs),
+            (q, k, v),
+        )
+
+
+# ---------------------------------------------------------------- dropout
+
+
+@pytest.mark.parametrize("slack", [(0, 0), (5, 11)])
+@pytest.mark.parametrize("tiles", [(16, 16), (7, 13)])
+def test_dropout_reads_the_padded_grid(slack, tiles):
+    check([17, 0, 40, 9], [23, 5, 33, 0], causal=True, dropout_p=0.3, slack=slack, tiles=tiles)
+
+
+def test_dropout_grid_places_a_dense_piece_on_the_padded_grid():
+    """AttentionParams.dropout_grid = (first, rows, cols): a (1, H, Nq, Nk) problem draws the
+    keep-mask of batch `first` of a (first + 1, H, rows, cols) grid, in both CPU backends."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (7, 9, 9))
+    params = AttentionParams(scale=8 ** -0.5, dropout_p=0.4, seed=SEED, dropout_grid=(2, 10, 12))
+    assert hash(params) == hash(AttentionParams(scale=8 ** -0.5, dropout_p=0.4, seed=SEED, dropout_grid=(2, 10, 12)))
+    keep = exattn.dropout_mask(SEED, (3, 2, 10, 12), 0.4)[2:3, :, :7, :9]
+    ref = attention_ref(q, k, v, dropout_mask=keep, dropout_p=0.4)
+    torch.testing.assert_close(tiled_forward(q, k, v, None, params)[0], ref, rtol=1e-12, atol=1e-12)
+    naive, _ = NaiveBackend().run(AttentionProblem(q, k, v, None, params))
+    torch.testing.assert_close(naive, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_dropout_seed_changes_the_output_and_none_draws_one():
+    q, k, v, cu_q, cu_k = pack([17, 9], [23, 9])
+
+    def run(**kwargs):
+        return exattn.attention_varlen(q, k, v, cu_q, cu_k, 17, 23, dropout_p=0.5, **kwargs)
+
+    assert torch.equal(run(seed=1), run(seed=1)) and not torch.equal(run(seed=1), run(seed=2))
+    torch.manual_seed(0)
+    x = run()
+    torch.manual_seed(0)
+    assert torch.equal(x, run())
+
+
+# ---------------------------------------------------------------- determinism and dispatch
+
+
+def test_backward_is_deterministic():
+    q, k, v, cu_q, cu_k = pack([40, 0, 23, 61], [50, 7, 23, 30])
+    dout = torch.randn(q.shape[0], 4, 24)
+    runs = [with_grads(varlen("tiled", 61, 50, cu_q, cu_k, causal=True, dropout_p=0.2, seed=3), q, k, v, dout)
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_auto_uses_tiled_on_cpu_and_explains_why():
+    q, k, v, cu_q, cu_k = pack([5, 8], [6, 8])
+    choice = exattn.explain_varlen_backend(q, k, v, cu_q, cu_k, 8, 8)
+    assert choice.name == "tiled" and choice.rejected["triton"]
+    assert torch.equal(exattn.attention_varlen(q, k, v, cu_q, cu_k, 8, 8),
+                       exattn.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, backend="tiled"))
+    assert exattn.explain_varlen_backend(q, k, v, cu_q, cu_k, 8, 8, backend="naive").name == "naive"
+
+
+def test_triton_by_name_says_the_kernels_are_not_built():
+    q, k, v, cu_q, cu_k = pack([5, 8], [6, 8])
+    assert triton_reasons(make_varlen_problem(q, k, v, cu_q, cu_k, 8, 8)) == [TRITON_NOT_BUILT]
+    with pytest.raises(ValueError, match="backend 'triton' cannot serve these inputs.*varlen kernels are not built"):
+        exattn.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, backend="triton")
+
+
+def test_the_triton_hook_is_called_when_the_module_exists(monkeypatch):
+    """A stand-in `exattn.backends.triton.varlen` (the tiled passes, counting calls): backend="triton"
+    runs it through autograd (in the interpreter on the CPU); "auto" still never picks it on the CPU."""
+    calls = []
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, params):
+        calls.append("forward")
+        out, lse = TILED_PASSES.forward(q, k, v, cu_q, cu_k, max_q, max_k, params)
+        return out, lse.float()
+
+    def backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, out, lse, params):
+        calls.append("backward")
+        return TILED_PASSES.backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, out, lse, params)
+
+    module = types.ModuleType(TRITON_VARLEN_MODULE)
+    module.triton_varlen_forward, module.triton_varlen_backward = forward, backward
+    module.varlen_reasons = lambda problem: ["too long"] if problem.max_seqlen_q > 100 else []
+    monkeypatch.setitem(sys.modules, TRITON_VARLEN_MODULE, module)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v, cu_q, cu_k = pack([5, 8], [6, 8])
+    q.requires_grad_(True)
+    out = exattn.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, backend="triton")
+    out.sum().backward()
+    assert calls == ["forward", "backward"]
+    assert torch.equal(out, exattn.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, backend="tiled"))
+    assert exattn.explain_varlen_backend(q, k, v, cu_q, cu_k, 8, 8).name == "tiled"
+    with pytest.raises(ValueError, match="too long"):
+        exattn.attention_varlen(q, k, v, cu_q, cu_k, 101, 8, backend="triton")
+    with pytest.raises(ValueError, match="dtype torch.float64 is not supported"):
+        exattn.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, 8, 8, backend="triton")
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def args(lens_q=(3, 5), lens_k=(4, 6), **kwargs):
+    q, k, v, cu_q, cu_k = pack(list(lens_q), list(lens_k), hq=4, hk=2, d=8, dv=8)
+    return {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 5,
+            "max_seqlen_k": 6, **kwargs}
+
+
+def cu(*values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype)
+
+
+BAD = [  # (id, arguments, error, the argument the message names, a piece of the message)
+    ("offsets not starting at 0", args(cu_seqlens_q=cu(1, 3, 8)), ValueError, "cu_seqlens_q", "must start at 0"),
+    ("non-monotone offsets", args(cu_seqlens_k=cu(0, 7, 6, 10), cu_seqlens_q=cu(0, 3, 3, 8), max_seqlen_k=7),
+     ValueError, "cu_seqlens_k", "must be non-decreasing, got cu_seqlens_k[2] = 6 < cu_seqlens_k[1] = 7"),
+    ("last offset is not the total", args(cu_seqlens_q=cu(0, 3, 7)), ValueError, "cu_seqlens_q",
+     "must end at total_q = 8, got cu_seqlens_q[-1] = 7"),
+    ("a length over max_seqlen", args(max_seqlen_q=4), ValueError, "max_seqlen_q",
+     "must be at least the longest sequence, got sequence 1 of length 5"),
+    ("rows that cannot fit", args(max_seqlen_k=2), ValueError, "max_seqlen_k", "total_k = 10 rows cannot be packed"),
+    ("int64 offsets", args(cu_seqlens_q=cu(0, 3, 8, dtype=torch.int64)), TypeError, "cu_seqlens_q",
+     "must be torch.int32, got torch.int64"),
+    ("2-D offsets", args(cu_seqlens_k=cu(0, 4, 10)[None]), ValueError, "cu_seqlens_k", "must be 1-D"),
+    ("offsets not a tensor", args(cu_seqlens_q=[0, 3, 8]), TypeError, "cu_seqlens_q", "got list"),
+    ("offsets of different lengths", args(cu_seqlens_k=cu(0, 4, 4, 10)), ValueError, "cu_seqlens_k",
+     "has 4 entries but cu_seqlens_q has 3"),
+    ("k and v heads differ", args(v=torch.randn(10, 1, 8)), ValueError, "v", "v has 1 heads but k has 2"),
+    ("Hq % Hk != 0", args(q=torch.randn(8, 3, 8)), ValueError, "heads",
+     "query heads (3) must be a multiple of key/value heads (2)"),
+    ("k and v rows differ", args(v=torch.randn(9, 2, 8)), ValueError, "v", "v has 9 keys but k has 10"),
+    ("head dims differ", args(k=torch.randn(10, 2, 7)), ValueError, "k", "k has head dim 7 but q has 8"),
+    ("4-D q", args(q=torch.randn(1, 8, 4, 8)), ValueError, "q", "q must have 3 dims (total, heads, dim)"),
+    ("mixed dtypes", args(k=torch.randn(10, 2, 8, dtype=torch.float64)), TypeError, "k",
+     "k has dtype torch.float64 but q has torch.float32"),
+    ("integer q", args(q=torch.zeros(8, 4, 8, dtype=torch.int32)), TypeError, "q", "q must be float16"),
+    ("max_seqlen negative", args(max_seqlen_q=-1), ValueError, "max_seqlen_q", "must be >= 0, got -1"),
+    ("max_seqlen a float", args(max_seqlen_k=6.0), TypeError, "max_seqlen_k", "must be a Python int, got float"),
+    ("max_seqlen a tensor", args(max_seqlen_k=torch.tensor(6)), TypeError, "max_seqlen_k", "got Tensor"),
+    ("unknown backend", args(backend="cuda"), ValueError, "backend", "backend must be one of"),
+    ("validate not a bool", args(validate="yes"), TypeError, "validate", "must be a bool"),
+    ("dropout out of range", args(dropout_p=1.0), ValueError, "dropout_p", "must be in [0, 1)"),
+    ("window malformed", args(window=(3,)), ValueError, "window", "must be a pair"),
+    ("block_m zero", args(block_m=0), ValueError, "block_m", "must be a positive int, got 0"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_is_refused_naming_the_argument(case):
+    _, kwargs, error, name, message = case
+    kwargs = dict(kwargs)
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    positional = [kwargs.pop(n) for n in names]
+    with pytest.raises(error) as info:
+        exattn.attention_varlen(*positional, **kwargs)
+    assert name in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_offsets_on_another_device_are_refused():
+    kwargs = args()
+    with pytest.raises(ValueError, match="cu_seqlens_k is on meta but q is on cpu"):
+        exattn.attention_varlen(*list(kwargs.values())[:4], kwargs["cu_seqlens_k"].to("meta"), 5, 6)
+
+
+def test_validate_false_skips_the_checks_that_read_offsets():
+    """validate=False reads no offset values for checking (bad offsets are then undefined
+    behaviour: this only asserts that no check fires); shape checks still run."""
+    for bad in ({"cu_seqlens_q": cu(1, 3, 8)}, {"cu_seqlens_q": cu(0, 3, 7)}, {"max_seqlen_q": 4},
+                {"cu_seqlens_k": cu(0, 7, 6, 10), "cu_seqlens_q": cu(0, 3, 3, 8), "max_seqlen_k": 7}):
+        kwargs = args(**bad)
+        problem = make_varlen_problem(*kwargs.values(), validate=False)
+        assert not problem.validated
+        with pytest.raises(ValueError):
+            make_varlen_problem(*kwargs.values())
+    with pytest.raises(TypeError, match="cu_seqlens_q must be torch.int32"):
+        make_varlen_problem(*args(cu_seqlens_q=cu(0, 3, 8, dtype=torch.int64)).values(), validate=False)
