@@ -1,4 +1,20 @@
-"""Ring attention across GPUs (NCCL) or CPU processes (gloo): forward+backward per device vs one device.
+"""Sequence parallelism across GPUs (NCCL) or CPU processes (gloo): ring, Ulysses or the hybrid, per device vs one.
+
+Strategies (--strategy, comma-separated): "ring" (ring_attention, zigzag), "ulysses"
+(ulysses_attention, contiguous shards) and "hybrid" (sequence_parallel_attention over a
+(world / U, U) mesh, U = --ulysses). Each row: strategy, world, total_len, causal,
+fwd_tflops_per_gpu, bwd_tflops_per_gpu, single_gpu_tflops, efficiency, peak_mem_gib,
+single_gpu_peak_mem_gib, and the ledger's peak (ledger_peak_gib, the per-rank bytes
+the strategy records, `exattn.distributed.MemoryLedger`) with the single-device
+figure by the same rules. With --strategy, the default output is
+sequence-parallel-<gpu>x<world>.json (sequence-parallel-h200x2.json on two H200s):
+
+    export NCCL_NVLS_ENABLE=0
+    PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/ring.py --strategy ring,ulysses,hybrid \
+        --lengths 32k,64k,128k,256k --out benchmarks/results
+    # the same at world 2 on the CPU (gloo), a correctness and plumbing run:
+    PYTHONPATH=src python benchmarks/ring.py --nproc 2 --device cpu --dtype float32 --strategy ring,ulysses,hybrid \
+        --lengths 1k --heads 4 --dim 32 --check-len 128 --full-mem-max 0 --out /tmp
 
 Two H200s (about 3-5 minutes; writes ring-h200x2.json):
 
@@ -57,7 +73,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import exattn  # noqa: E402
 from common import attention_flops  # noqa: E402
 from error_rule import FLOORS, max_abs_error  # noqa: E402
-from exattn.distributed import ring_attention, shard  # noqa: E402
+from exattn.distributed import (  # noqa: E402
+    MemoryLedger, mesh_shard, ring_attention, sequence_parallel_attention, shard, single_device_ledger,
+    ulysses_attention,
+)
 from exattn.distributed.ring import local_backend_name  # noqa: E402
 from exattn.reference import attention_ref  # noqa: E402
 
@@ -143,6 +162,87 @@ def random_inputs(args, length: int, device, seed: int, requires_grad=True):
               (args.batch, args.kv_heads, length, args.dim), (args.batch, args.heads, length, args.dim)]
     xs = [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
     return [x.requires_grad_(requires_grad and i < 3) for i, x in enumerate(xs)]
+
+
+STRATEGIES = ("ring", "ulysses", "hybrid")
+
+
+def hybrid_mesh(args, world: int, device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    uly = args.ulysses if world % args.ulysses == 0 else 1
+    return init_device_mesh(device.type, (world // uly, uly), mesh_dim_names=("ring", "ulysses"))
+
+
+def strategy_fns(strategy: str, args, rank: int, world: int, layout: str, mesh):
+    """(attend(q, k, v, ledger=None), cut(full tensor) -> this rank's part) of one strategy."""
+    if strategy == "ring":
+        return (lambda q, k, v, ledger=None: ring_attention(q, k, v, causal=True, layout=layout, ledger=ledger),
+                lambda x: shard(x, rank, world, layout))
+    if strategy == "ulysses":
+        return (lambda q, k, v, ledger=None: ulysses_attention(q, k, v, causal=True, ledger=ledger),
+                lambda x: shard(x, rank, world, "contiguous"))
+    return (lambda q, k, v, ledger=None: sequence_parallel_attention(q, k, v, mesh=mesh, causal=True,
+                                                                     layout=layout, ledger=ledger),
+            lambda x: mesh_shard(x, mesh, layout))
+
+
+def check_strategy(args, strategy: str, rank: int, world: int, device, mesh) -> dict:
+    """One strategy vs single-device exattn vs the float64 oracle on the full tensors, with the shared rule."""
+    attend, cut = strategy_fns(strategy, args, rank, world, args.layout, mesh)
+    q, k, v, dout = random_inputs(args, args.check_len, device, seed=1234)
+    ours = fwd_bwd(attend, *[cut(x.detach()).requires_grad_() for x in (q, k, v)], cut(dout))
+    single = fwd_bwd(lambda *t: exattn.attention(*t, causal=True), q, k, v, dout)
+    naive = fwd_bwd(lambda *t: exattn.attention(*t, causal=True, backend="naive"), q, k, v, dout)
+    full64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = fwd_bwd(lambda *t: attention_ref(*t, causal=True), *full64, dout.double())
+    result, ok = {"strategy": strategy, "total_len": args.check_len}, True
+    for name, a, s, n, r in zip(("out", "dq", "dk", "dv"), ours, single, naive, ref):
+        s, n, r = (cut(x) for x in (s, n, r))
+        floor = FLOORS[q.dtype] * max(1.0, float(r.abs().max()))
+        errs = [all_max(max_abs_error(x, r), device) for x in (a, s, n)]
+        bad = all_max(float(torch.isnan(a).any()), device) > 0
+        passed = not bad and errs[0] <= 2 * errs[2] + floor
+        result[name] = {"err": errs[0], "err_single": errs[1], "err_naive": errs[2], "passed": passed}
+        ok &= passed
+    result["passed"] = ok
+    return result
+
+
+def measure_strategy(args, strategy: str, total_len: int, rank: int, world: int, device, mesh) -> dict:
+    """One row of the --strategy table: forward and backward TFLOP/s per GPU, memory, ledger."""
+    n = total_len // world
+    attend, _ = strategy_fns(strategy, args, rank, world, args.layout, mesh)
+    q, k, v, dout = random_inputs(args, n, device, seed=rank)
+    single = (lambda *t, ledger=None: exattn.attention(*t, causal=True))
+    row = {"strategy": strategy, "world": world, "total_len": total_len, "per_gpu_len": n, "causal": True}
+    if strategy == "hybrid":
+        row["mesh"] = list(mesh.shape)
+    timing = (device, args.warmup, args.repeat, args.min_time)
+    times = {}
+    for name, fn in (("sp", attend), ("single", single)):
+        with torch.no_grad():
+            times[f"{name}_fwd"] = seconds_per_call(lambda: fn(q, k, v), *timing)
+        times[f"{name}_fwd_bwd"] = seconds_per_call(lambda: fwd_bwd(fn, q, k, v, dout), *timing)
+    fwd_total = attention_flops(args.batch, args.heads, total_len, total_len, args.dim, causal=True)
+    bwd_total = attention_flops(args.batch, args.heads, total_len, total_len, args.dim, causal=True, backward=True)
+    fwd_local = attention_flops(args.batch, args.heads, n, n, args.dim, causal=True)
+    bwd_local = attention_flops(args.batch, args.heads, n, n, args.dim, causal=True, backward=True)
+    sp_bwd = max(times["sp_fwd_bwd"] - times["sp_fwd"], 1e-9)
+    row["fwd_tflops_per_gpu"] = fwd_total / world / times["sp_fwd"] / 1e12
+    row["bwd_tflops_per_gpu"] = bwd_total / world / sp_bwd / 1e12
+    row["tflops_per_gpu"] = (fwd_total + bwd_total) / world / times["sp_fwd_bwd"] / 1e12
+    row["single_gpu_tflops"] = (fwd_local + bwd_local) / times["single_fwd_bwd"] / 1e12
+    row["efficiency"] = row["tflops_per_gpu"] / row["single_gpu_tflops"]
+    row["peak_mem_gib"] = peak_gib(lambda: fwd_bwd(attend, q, k, v, dout), device)
+    row["single_gpu_peak_mem_gib"] = peak_gib(lambda: fwd_bwd(single, q, k, v, dout), device)
+    ledger = MemoryLedger()
+    fwd_bwd(lambda *t: attend(*t, ledger=ledger), q, k, v, dout)
+    rules = "triton" if device.type == "cuda" else "tiled"
+    row["ledger_peak_gib"] = all_max(ledger.peak / GIB, device)
+    row["ledger_single_gib"] = single_device_ledger(q, k, v, rules).peak / GIB
+    row["ledger_ratio"] = row["ledger_peak_gib"] / row["ledger_single_gib"]
+    return row
 
 
 def check(args, layout: str, rank: int, world: int, device) -> dict:
@@ -280,6 +380,9 @@ def run(args) -> None:
     else:
         torch.set_num_threads(max(1, args.threads))
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    if args.strategy:
+        run_strategies(args, rank, world, device, use_cuda)
+        return
     probe = random_inputs(args, max(2, args.check_len // world), device, seed=0, requires_grad=False)
     report = {"env": environment(args, device, world),
               "local_backend": local_backend_name(*probe[:3], True, args.dim ** -0.5),
@@ -322,10 +425,61 @@ def run(args) -> None:
     dist.destroy_process_group()
 
 
+STRATEGY_NULL_KEYS = ("fwd_tflops_per_gpu", "bwd_tflops_per_gpu", "tflops_per_gpu", "single_gpu_tflops",
+                      "efficiency", "peak_mem_gib", "single_gpu_peak_mem_gib", "ledger_peak_gib",
+                      "ledger_single_gib", "ledger_ratio")
+
+
+def run_strategies(args, rank: int, world: int, device, use_cuda: bool) -> None:
+    """--strategy: check, then time every strategy at every length; rows written as they finish."""
+    strategies = [s.strip() for s in args.strategy.split(",")]
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise SystemExit(f"--strategy takes {STRATEGIES}, got {s!r}")
+    mesh = hybrid_mesh(args, world, device) if "hybrid" in strategies else None
+    report = {"env": environment(args, device, world), "checks": [], "rows": []}
+    report["env"]["strategies"] = strategies
+    if mesh is not None:
+        report["env"]["hybrid_mesh"] = list(mesh.shape)
+    if args.name:
+        path = Path(args.out) / args.name
+    else:
+        tag = ("h200" if "H200" in torch.cuda.get_device_name(device) else "gpu") if use_cuda else "cpu"
+        path = Path(args.out) / f"sequence-parallel-{tag}x{world}.json"
+
+    def save():
+        if rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=2))
+            print(f"wrote {path}", flush=True)
+
+    for strategy in strategies:
+        result = guarded(lambda: check_strategy(args, strategy, rank, world, device, mesh), device,
+                         lambda e: {"strategy": strategy, "passed": False, "error": e})
+        report["checks"].append(result)
+        if rank == 0:
+            print(json.dumps(result), flush=True)
+    save()
+    for total_len in [parse_length(x) for x in args.lengths.split(",")]:
+        for strategy in strategies:
+            null_row = {"strategy": strategy, "world": world, "total_len": total_len, "causal": True,
+                        **dict.fromkeys(STRATEGY_NULL_KEYS)}
+            row = guarded(lambda: measure_strategy(args, strategy, total_len, rank, world, device, mesh), device,
+                          lambda e: {**null_row, "error": e})
+            report["rows"].append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+            save()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def markdown_table(path: str) -> str:
     """The rows of a results file as a markdown table, for docs/performance.md."""
     report = json.loads(Path(path).read_text())
     env = report["env"]
+    if "strategies" in env:
+        return strategy_table(report)
     lines = [f"{env['device']} x{env['world']}, torch {env['torch']}, triton {env.get('triton')}, "
              f"{env['dtype']}, B={env['batch']}, H={env['heads']}, Hk={env['kv_heads']}, D={env['dim']}, "
              f"causal {env['layout']}, local backend {report['local_backend']}; checks passed: "
@@ -346,6 +500,27 @@ def markdown_table(path: str) -> str:
             f"| {fmt(r.get('peak_mem_gib'), '.2f')} | {fmt(r.get('full_len_single_peak_mem_gib'), '.2f')} "
             f"| {fmt(r.get('ring_w1_peak_mem_gib'), '.2f')} | {fmt(r.get('mem_ratio_vs_full_single'), '.2f')} "
             f"| {fmt(r.get('mem_ratio_vs_ring_w1'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def strategy_table(report: dict) -> str:
+    env = report["env"]
+
+    def fmt(x, spec):
+        return "n/a" if x is None else format(x, spec)
+
+    lines = [f"{env['device']} x{env['world']}, torch {env['torch']}, {env['dtype']}, B={env['batch']}, "
+             f"H={env['heads']}, Hk={env['kv_heads']}, D={env['dim']}, causal, layout {env['layout']}; checks "
+             f"passed: {all(c.get('passed') for c in report['checks'])}", "",
+             "| strategy | world | total len | fwd TFLOP/s per GPU | bwd TFLOP/s per GPU | single TFLOP/s "
+             "| efficiency | peak GiB | single GiB | ledger peak / single |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['strategy']} | {r['world']} | {r['total_len']} | {fmt(r.get('fwd_tflops_per_gpu'), '.3g')} "
+            f"| {fmt(r.get('bwd_tflops_per_gpu'), '.3g')} | {fmt(r.get('single_gpu_tflops'), '.3g')} "
+            f"| {fmt(r.get('efficiency'), '.1%')} | {fmt(r.get('peak_mem_gib'), '.2f')} "
+            f"| {fmt(r.get('single_gpu_peak_mem_gib'), '.2f')} | {fmt(r.get('ledger_ratio'), '.2f')} |")
     return "\n".join(lines)
 
 
@@ -381,6 +556,9 @@ def main(argv=None) -> None:
     p.add_argument("--nproc", type=int, default=None, help="processes to spawn without torchrun")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default=None, help="output file name, default ring-<gpu>x<world>.json")
+    p.add_argument("--strategy", default=None,
+                   help="comma-separated ring,ulysses,hybrid: the sequence-parallel table (see the top)")
+    p.add_argument("--ulysses", type=int, default=2, help="Ulysses size U of the hybrid's (world / U, U) mesh")
     p.add_argument("--table", default=None, metavar="JSON", help="print a results file as markdown and exit")
     args = p.parse_args(argv)
     if args.table:

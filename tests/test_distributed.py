@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 import exattn
 from error_rule import assert_matches_oracle, max_abs_error
 from exattn.distributed import RingComm, ring, ring_attention, shard, unshard
-from exattn.distributed.blocks import step_blocks
+from exattn.distributed.blocks import global_band, step_blocks
 from exattn.distributed.layout import segments
 from exattn.masks import band_mask
 from exattn.reference import attention_ref
@@ -246,16 +246,40 @@ def test_step_blocks_cover_the_causal_pattern_once(layout):
             len_q, len_k = cq * per_rank * world, ck * per_rank * world
             i, j = torch.arange(len_q)[:, None], torch.arange(len_k)[None, :]
             allowed = (j <= i + len_k - len_q).long()
+            band = (None, len_k - len_q)
             for r in range(world):
                 q_segs = segments(r, world, len_q, layout)
                 rows = torch.cat([torch.arange(s.start, s.start + s.length) for s in q_segs])
                 for s in range(world):
                     k_segs = segments(s, world, len_k, layout)
                     cols = torch.cat([torch.arange(x.start, x.start + x.length) for x in k_segs])
-                    blocks = step_blocks(q_segs, k_segs, len_k - len_q)
+                    blocks = step_blocks(q_segs, k_segs, band)
                     assert torch.equal(visibility(blocks, len(rows), len(cols)), allowed[rows][:, cols])
                     if layout == "zigzag" and cq == ck:
                         assert len(blocks) == 1, "balanced zigzag steps are one call each"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("window", [(2, 0), (0, 3), (3, 1), (-1, 2), (5, -1)])
+def test_step_blocks_cover_windows_once(layout, window):
+    """Any window (both sides, causal or not), cut into column pieces as the ring cuts keys."""
+    per_rank = 2 if layout == "zigzag" else 1
+    for world in (1, 2, 3):
+        for cq, ck in [(3, 3), (2, 4), (4, 2)]:
+            len_q, len_k = cq * per_rank * world, ck * per_rank * world
+            full = band_mask(range(len_q), range(len_k), len_q, len_k, window, "cpu")
+            allowed = torch.ones(len_q, len_k, dtype=torch.long) if full is None else full.long()
+            band = global_band(len_q, len_k, window)
+            for r in range(world):
+                q_segs = segments(r, world, len_q, layout)
+                rows = torch.cat([torch.arange(s.start, s.start + s.length) for s in q_segs])
+                for s in range(world):
+                    for count in (1, 2):
+                        k_segs, _ = ring.cut(segments(s, world, len_k, layout), 0, 1)
+                        packed, _ = ring.cut(k_segs, count - 1, count)
+                        cols = torch.cat([torch.arange(x.start, x.start + x.length) for x in packed])
+                        blocks = step_blocks(q_segs, packed, band)
+                        assert torch.equal(visibility(blocks, len(rows), len(cols)), allowed[rows][:, cols])
 
 
 def test_non_causal_step_is_one_full_call():
