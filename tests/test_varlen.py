@@ -1,8 +1,5 @@
 """`attention_varlen`: packed variable-length batches against the float64 oracle, per sequence."""
 
-import sys
-import types
-
 import pytest
 import torch
 from error_rule import assert_matches_oracle
@@ -14,13 +11,7 @@ from exattn.backends.naive import NaiveBackend
 from exattn.backends.tiled import tiled_forward
 from exattn.problem import AttentionParams, AttentionProblem
 from exattn.reference import attention_ref
-from exattn.varlen import (
-    TILED_PASSES,
-    TRITON_NOT_BUILT,
-    TRITON_VARLEN_MODULE,
-    make_varlen_problem,
-    triton_reasons,
-)
+from exattn.varlen import make_varlen_problem, triton_reasons
 
 SEED = 1234
 
@@ -49,9 +40,9 @@ def oracle(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p=0.0, seed=SEED, **kwa
     """Float64, per sequence: attention_ref on (1, H, N, d) views, assembled into the packed layout;
     dropout through the SPEC's padded rule, dropout_mask(seed, (B, Hq, max_q, max_k))[b, :, :Nq, :Nk]."""
     batch, hq = cu_q.shape[0] - 1, q.shape[1]
-    keep = exattn.dropout_mask(seed, (batch, hq, max_q, max_k), dropout_p) if dropout_p else None
-    out = torch.zeros(q.shape[0], hq, v.shape[2], dtype=torch.float64)
-    lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float64)
+    keep = exattn.dropout_mask(seed, (batch, hq, max_q, max_k), dropout_p, device=q.device) if dropout_p else None
+    out = torch.zeros(q.shape[0], hq, v.shape[2], dtype=torch.float64, device=q.device)
+    lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float64, device=q.device)
     for b in range(batch):
         (q0, q1), (k0, k1) = cu_q[b : b + 2].tolist(), cu_k[b : b + 2].tolist()
         if q1 == q0 or k1 == k0:
@@ -85,14 +76,15 @@ def varlen(backend, max_q, max_k, cu_q, cu_k, **kwargs):
 
 def check(lens_q, lens_k, dtype=torch.float32, *, hq=4, hk=2, d=24, dv=24, slack=(0, 0), seed=0,
           logit_scale=1.0, tiles=(None, None), transform=lambda x: x, backends=("tiled", "naive"),
-          judge=("out", "lse", "dq", "dk", "dv"), **kwargs):
+          judge=("out", "lse", "dq", "dk", "dv"), device="cpu", **kwargs):
     """The backends' out, lse, dq, dk, dv (those named in `judge`) against the oracle, by the
     project's 2x same-dtype rule. Naive is the baseline itself: in float32 and float64 it is held
     to the oracle within its dtype's floor, in half precision it is only the baseline."""
-    q, k, v, cu_q, cu_k = pack(lens_q, lens_k, hq, hk, d, dv, dtype, seed, logit_scale)
+    q, k, v, cu_q, cu_k = (x.to(device) for x in pack(lens_q, lens_k, hq, hk, d, dv, dtype, seed, logit_scale))
     q, k, v = (transform(x) for x in (q, k, v))
     max_q, max_k = max(lens_q, default=0) + slack[0], max(lens_k, default=0) + slack[1]
     dout = torch.randn(q.shape[0], hq, dv, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    dout = dout.to(device)
     drop = {"seed": SEED, "dropout_p": kwargs.pop("dropout_p")} if kwargs.get("dropout_p") else {}
     ref = with_grads(lambda q, k, v: oracle(q, k, v, cu_q, cu_k, max_q, max_k, **drop, **kwargs), q, k, v, dout)
     naive = with_grads(varlen("naive", max_q, max_k, cu_q, cu_k, **drop, **kwargs), q, k, v, dout)
@@ -104,7 +96,8 @@ def check(lens_q, lens_k, dtype=torch.float32, *, hq=4, hk=2, d=24, dv=24, slack
         if backend == "naive":
             mine, base = naive, ref  # the baseline itself: judged by the floor alone
         else:
-            mine = with_grads(varlen(backend, max_q, max_k, cu_q, cu_k, block_m=tiles[0], block_n=tiles[1],
+            block_m, block_n = triton_tiles(tiles) if backend == "triton" else tiles
+            mine = with_grads(varlen(backend, max_q, max_k, cu_q, cu_k, block_m=block_m, block_n=block_n,
                                      **drop, **kwargs), q, k, v, dout)
             base = naive
         assert mine[0].dtype == dtype and mine[0].shape == (q.shape[0], hq, dv)
@@ -117,6 +110,11 @@ def check(lens_q, lens_k, dtype=torch.float32, *, hq=4, hk=2, d=24, dv=24, slack
             assert_matches_oracle(f"{backend}/{name}", x, y, r, floor_dtype)
         results[backend] = mine
     return results
+
+
+def triton_tiles(tiles):
+    """The kernels take power-of-two tiles from 16: other sizes become 16."""
+    return tuple(None if n is None else n if n >= 16 and n & (n - 1) == 0 else 16 for n in tiles)
 
 
 # ---------------------------------------------------------------- random packings
@@ -144,6 +142,13 @@ def test_random_packings_float32_tiled_and_naive(case):
     check(dtype=torch.float32, **case)
 
 
+@settings(max_examples=12, deadline=None)
+@given(packings(), st.sampled_from([torch.float32, torch.float16]))
+def test_random_packings_triton_kernels(case, dtype):
+    """The fused kernels (in the interpreter on the CPU) reading the offsets on the device."""
+    check(dtype=dtype, backends=("triton",), **case)
+
+
 @settings(max_examples=25, deadline=None)
 @given(packings())
 def test_random_packings_float64_tiled_matches_the_oracle(case):
@@ -161,7 +166,7 @@ def test_random_packings_float64_tiled_matches_the_oracle(case):
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_zero_length_sequences(lens_q, lens_k, causal):
-    results = check(lens_q, lens_k, causal=causal, tiles=(4, 4))
+    results = check(lens_q, lens_k, causal=causal, tiles=(4, 4), backends=("tiled", "naive", "triton"))
     cu_q = offsets(lens_q).tolist()
     for out, lse, dq, _, _ in results.values():
         for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
@@ -173,27 +178,28 @@ def test_zero_length_sequences(lens_q, lens_k, causal):
 
 
 def test_total_smaller_than_the_number_of_sequences():
-    check([0, 1, 0, 0, 1, 0], [1, 0, 0, 2, 1, 0], causal=True)
+    check([0, 1, 0, 0, 1, 0], [1, 0, 0, 2, 1, 0], causal=True, backends=("tiled", "naive", "triton"))
 
 
 def test_one_sequence_of_length_one():
-    check([1], [1], hq=1, hk=1, d=8, dv=8)
+    check([1], [1], hq=1, hk=1, d=8, dv=8, backends=("tiled", "naive", "triton"))
 
 
-@pytest.mark.parametrize("backend", ["tiled", "naive"])
+@pytest.mark.parametrize("backend", ["tiled", "naive", "triton"])
 def test_rows_with_no_allowed_key_give_zeros_minus_inf_and_zero_grads(backend):
     lens_q, lens_k = [9, 3], [4, 3]  # causal, Nq > Nk: rows 0..4 of sequence 0 see nothing
     q, k, v, cu_q, cu_k = pack(lens_q, lens_k, hq=2, hk=1, d=8, dv=8)
     dout = torch.randn(q.shape[0], 2, 8, dtype=torch.float64)
-    out, lse, dq, dk, dv = with_grads(varlen(backend, 9, 4, cu_q, cu_k, causal=True, block_m=4, block_n=2),
-                                      q, k, v, dout)
+    tiles = (16, 16) if backend == "triton" else (4, 2)
+    out, lse, dq, dk, dv = with_grads(varlen(backend, 9, 4, cu_q, cu_k, causal=True, block_m=tiles[0],
+                                             block_n=tiles[1]), q, k, v, dout)
     empty = slice(0, 5)
     assert torch.equal(out[empty], torch.zeros_like(out[empty]))
     assert torch.isneginf(lse[:, empty]).all() and torch.isfinite(lse[:, 5:]).all()
     assert torch.equal(dq[empty], torch.zeros_like(dq[empty]))
     for t in (out, lse, dq, dk, dv):
         assert not torch.isnan(t).any()
-    check(lens_q, lens_k, hq=2, hk=1, d=8, dv=8, causal=True, tiles=(4, 2))
+    check(lens_q, lens_k, hq=2, hk=1, d=8, dv=8, causal=True, tiles=(4, 2), backends=(backend,))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -222,7 +228,9 @@ def test_huge_logits(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(dtype):
-    check([17, 0, 40], [23, 5, 33], dtype, window=(6, 2), tiles=(16, 16))
+    # The interpreter's tl.dot multiplies bf16's raw bits: the kernels run bf16 on the GPU only.
+    backends = ("tiled", "triton") if dtype == torch.float16 else ("tiled",)
+    check([17, 0, 40], [23, 5, 33], dtype, window=(6, 2), tiles=(16, 16), backends=backends)
 
 
 def test_strided_views_of_a_packed_qkv_buffer():
@@ -241,7 +249,7 @@ def test_strided_views_of_a_packed_qkv_buffer():
         wide = torch.stack([x, torch.randn_like(x), torch.randn_like(x)], dim=1)
         return wide[:, 0]
 
-    check(lens, lens, causal=True, transform=strided, tiles=(8, 8))
+    check(lens, lens, causal=True, transform=strided, tiles=(8, 8), backends=("tiled", "naive", "triton"))
 
 
 def test_float64_grads_pass_gradcheck():
@@ -261,7 +269,8 @@ def test_float64_grads_pass_gradcheck():
 @pytest.mark.parametrize("slack", [(0, 0), (5, 11)])
 @pytest.mark.parametrize("tiles", [(16, 16), (7, 13)])
 def test_dropout_reads_the_padded_grid(slack, tiles):
-    check([17, 0, 40, 9], [23, 5, 33, 0], causal=True, dropout_p=0.3, slack=slack, tiles=tiles)
+    check([17, 0, 40, 9], [23, 5, 33, 0], causal=True, dropout_p=0.3, slack=slack, tiles=tiles,
+          backends=("tiled", "naive", "triton"))
 
 
 def test_dropout_grid_places_a_dense_piece_on_the_padded_grid():
@@ -294,10 +303,11 @@ def test_dropout_seed_changes_the_output_and_none_draws_one():
 # ---------------------------------------------------------------- determinism and dispatch
 
 
-def test_backward_is_deterministic():
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+def test_backward_is_deterministic(backend):
     q, k, v, cu_q, cu_k = pack([40, 0, 23, 61], [50, 7, 23, 30])
     dout = torch.randn(q.shape[0], 4, 24)
-    runs = [with_grads(varlen("tiled", 61, 50, cu_q, cu_k, causal=True, dropout_p=0.2, seed=3), q, k, v, dout)
+    runs = [with_grads(varlen(backend, 61, 50, cu_q, cu_k, causal=True, dropout_p=0.2, seed=3), q, k, v, dout)
             for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
@@ -312,43 +322,59 @@ def test_auto_uses_tiled_on_cpu_and_explains_why():
     assert exattn.explain_varlen_backend(q, k, v, cu_q, cu_k, 8, 8, backend="naive").name == "naive"
 
 
-def test_triton_by_name_says_the_kernels_are_not_built():
+def test_triton_by_name_serves_what_the_kernels_take_and_says_why_not():
+    """By name, the kernels run on the CPU in the interpreter; "auto" never picks them there.
+    What they cannot take (float64, tiles that are not powers of two) is refused with the reason."""
     q, k, v, cu_q, cu_k = pack([5, 8], [6, 8])
-    assert triton_reasons(make_varlen_problem(q, k, v, cu_q, cu_k, 8, 8)) == [TRITON_NOT_BUILT]
-    with pytest.raises(ValueError, match="backend 'triton' cannot serve these inputs.*varlen kernels are not built"):
-        exattn.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, backend="triton")
-
-
-def test_the_triton_hook_is_called_when_the_module_exists(monkeypatch):
-    """A stand-in `exattn.backends.triton.varlen` (the tiled passes, counting calls): backend="triton"
-    runs it through autograd (in the interpreter on the CPU); "auto" still never picks it on the CPU."""
-    calls = []
-
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, params):
-        calls.append("forward")
-        out, lse = TILED_PASSES.forward(q, k, v, cu_q, cu_k, max_q, max_k, params)
-        return out, lse.float()
-
-    def backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, out, lse, params):
-        calls.append("backward")
-        return TILED_PASSES.backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, out, lse, params)
-
-    module = types.ModuleType(TRITON_VARLEN_MODULE)
-    module.triton_varlen_forward, module.triton_varlen_backward = forward, backward
-    module.varlen_reasons = lambda problem: ["too long"] if problem.max_seqlen_q > 100 else []
-    monkeypatch.setitem(sys.modules, TRITON_VARLEN_MODULE, module)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    q, k, v, cu_q, cu_k = pack([5, 8], [6, 8])
-    q.requires_grad_(True)
-    out = exattn.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, backend="triton")
-    out.sum().backward()
-    assert calls == ["forward", "backward"]
-    assert torch.equal(out, exattn.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, backend="tiled"))
+    assert triton_reasons(make_varlen_problem(q, k, v, cu_q, cu_k, 8, 8)) == []
     assert exattn.explain_varlen_backend(q, k, v, cu_q, cu_k, 8, 8).name == "tiled"
-    with pytest.raises(ValueError, match="too long"):
-        exattn.attention_varlen(q, k, v, cu_q, cu_k, 101, 8, backend="triton")
-    with pytest.raises(ValueError, match="dtype torch.float64 is not supported"):
+    with pytest.raises(ValueError, match="backend 'triton' cannot serve these inputs.*float64"):
         exattn.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, 8, 8, backend="triton")
+    with pytest.raises(ValueError, match="block_m=24 is not a power of two"):
+        exattn.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, backend="triton", block_m=24)
+
+
+# ---------------------------------------------------------------- on the GPU
+
+
+GPU_PACKINGS = {
+    "mixed": ([300, 0, 1, 1024, 77, 513], [300, 5, 1, 1024, 130, 400]),
+    "equal": ([512] * 4, [512] * 4),
+    "short documents": ([64, 200, 17, 1000, 129, 64, 333], [64, 200, 17, 1000, 129, 64, 333]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packing", GPU_PACKINGS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_gpu_triton_kernels(packing, dtype, causal, head_dim):
+    lens_q, lens_k = GPU_PACKINGS[packing]
+    check(lens_q, lens_k, dtype, hq=8, hk=2, d=head_dim, dv=head_dim, causal=causal, backends=("triton",),
+          device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("atomic_dq", [False, True])
+def test_gpu_window_dropout_and_atomic_dq(monkeypatch, atomic_dq):
+    from exattn.backends.triton.passes import settings
+
+    monkeypatch.setattr(settings, "atomic_dq", atomic_dq)
+    lens_q, lens_k = GPU_PACKINGS["mixed"]
+    check(lens_q, lens_k, torch.bfloat16, hq=8, hk=2, d=128, dv=64, window=(100, 7), dropout_p=0.2,
+          slack=(3, 5), backends=("triton",), device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_bitwise_reproducible():
+    q, k, v, cu_q, cu_k = (x.cuda() for x in pack([300, 0, 1, 1024, 77], [300, 5, 1, 1024, 130], hq=8, hk=2,
+                                                   d=128, dv=128, dtype=torch.bfloat16))
+    dout = torch.randn(q.shape[0], 8, 128, device="cuda")
+    runs = [with_grads(varlen("triton", 1024, 1024, cu_q, cu_k, causal=True), q, k, v, dout) for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------- bad input

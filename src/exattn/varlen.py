@@ -19,8 +19,8 @@ The arguments are checked once, into a `VarlenProblem`. Backends:
 - "tiled": per sequence, (1, H, N, d) views of the packed tensors run through
   the dense tiled passes (`backends/tiled.py`); one sequence's score tile at a time.
 - "naive": per sequence, the textbook formula in the input dtype.
-- "triton": the fused kernels of `exattn.backends.triton.varlen`, when that
-  module exists (the hook: see `triton_reasons` and `VarlenPasses`).
+- "triton": the fused kernels (`exattn.backends.triton.varlen`), which read the
+  offsets on the device: no host sync, the grid sized by `max_seqlen_*`.
 
 Dropout: weight `(b, h, i, j)` (local positions) is kept iff
 `dropout_mask(seed, (B, Hq, max_seqlen_q, max_seqlen_k), p)[b, h, i, j]`. A dense
@@ -30,10 +30,7 @@ pass over sequence `b` reads that padded grid through
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import numbers
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple, overload
@@ -52,8 +49,6 @@ from .problem import (
     make_params,
 )
 
-TRITON_VARLEN_MODULE = "exattn.backends.triton.varlen"
-TRITON_NOT_BUILT = "the Triton varlen kernels are not built"
 PACKED_LAYOUT = "(total, heads, dim)"
 
 
@@ -322,29 +317,14 @@ def naive_varlen(problem: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------- the Triton hook and dispatch
 
 
-def triton_varlen_module():
-    """`exattn.backends.triton.varlen` if it exists (imported), else None. It provides
-    `triton_varlen_forward` and `triton_varlen_backward` (the signatures of `VarlenPasses`),
-    and may provide `varlen_reasons(problem: VarlenProblem) -> list[str]`."""
-    if TRITON_VARLEN_MODULE not in sys.modules and importlib.util.find_spec(TRITON_VARLEN_MODULE) is None:
-        return None
-    return importlib.import_module(TRITON_VARLEN_MODULE)
-
-
 def triton_reasons(problem: VarlenProblem) -> list[str]:
     """Every reason the Triton varlen kernels cannot serve this problem (empty if they can):
-    the dense kernels' limits (device, dtype, dims, tiles) and the varlen module's own."""
-    if importlib.util.find_spec("triton") is None:
-        return ["triton is not installed"]
-    module = triton_varlen_module()
-    if module is None:
-        return [TRITON_NOT_BUILT]
-    from .backends.triton import problem_reasons
+    the dense kernels' limits (device, dtype, dims, tiles)."""
+    from .backends.triton import problem_reasons, triton_importable
 
-    reasons = problem_reasons(problem)
-    if hasattr(module, "varlen_reasons"):
-        reasons = reasons + module.varlen_reasons(problem)
-    return reasons
+    if not triton_importable():
+        return ["triton is not installed"]
+    return problem_reasons(problem)
 
 
 def triton_auto_reasons(problem: VarlenProblem) -> list[str]:
@@ -379,8 +359,9 @@ def run_varlen(problem: VarlenProblem, backend: str = "auto") -> tuple[torch.Ten
     if name == "tiled":
         passes = TILED_PASSES
     else:
-        module = triton_varlen_module()
-        passes = VarlenPasses(module.triton_varlen_forward, module.triton_varlen_backward)
+        from .backends.triton.varlen import triton_varlen_backward, triton_varlen_forward
+
+        passes = VarlenPasses(triton_varlen_forward, triton_varlen_backward)
     return VarlenAttention.apply(
         problem.q, problem.k, problem.v, problem.cu_seqlens_q, problem.cu_seqlens_k,
         problem.max_seqlen_q, problem.max_seqlen_k, problem.params, passes,

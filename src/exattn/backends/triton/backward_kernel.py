@@ -27,25 +27,36 @@ from .tile_io import (
     head_slice, head_tile_pointers, load_head_tile, load_source_tile, load_tile, store_tile, tile_pointers,
     tile_source, tile_walk,
 )
-from .tiles import LOG2E, dropout_keep, masked_scores, query_row_tile, tile_segments
+from .tiles import LOG2E, dropout_keep, masked_scores, query_row_tile, sequence_span, tile_segments
 
 
 @triton.jit
 def attention_delta_kernel(
-    O, DO, DELTA, o_strides, do_strides, heads_q, len_q, num_row_tiles,
-    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    O, DO, DELTA, CU_Q, o_strides, do_strides, heads_q, len_q, num_row_tiles, stats_head_stride,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """delta = rowsum(O * dO) in float32 into contiguous (B, Hq, Nq). Grid: (num_row_tiles * B * Hq,)."""
+    """delta = rowsum(O * dO) in float32 into contiguous (B, Hq, Nq). Grid: (num_row_tiles * B * Hq,).
+
+    VARLEN: b is a packed sequence (rows CU_Q[b]:CU_Q[b+1], batch strides 0) and DELTA is
+    (Hq, total_q) with head stride stats_head_stride."""
     pid = tl.program_id(0)
     bh = pid // num_row_tiles
     rows = (pid % num_row_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     b = (bh // heads_q).to(tl.int64)
     h = (bh % heads_q).to(tl.int64)
     offs_dv = tl.arange(0, BLOCK_DV)
+    if VARLEN:
+        start, len_q = sequence_span(CU_Q, b)
+        O += start * o_strides[2]
+        DO += start * do_strides[2]
     o = load_head_tile(O, o_strides, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
     do = load_head_tile(DO, do_strides, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + bh.to(tl.int64) * len_q + rows, delta, mask=rows < len_q)
+    if VARLEN:
+        delta_at = DELTA + h * stats_head_stride + start + rows
+    else:
+        delta_at = DELTA + bh.to(tl.int64) * len_q + rows
+    tl.store(delta_at, delta, mask=rows < len_q)
 
 
 @triton.jit
@@ -65,13 +76,15 @@ def load_row_stats(LSE, DELTA, row_base, rows, len_q, CHECK_ROWS: tl.constexpr):
 def dkdv_segment(
     dk, dv, k, v, q_src, do_src, q_strides, do_strides, LSE, DELTA, DQ_ACC, dq_strides,
     tile_lo, tile_hi, cols, offs_m, offs_d, offs_dv, len_q, len_k, left, right, scale_log2,
-    mask_base, mask_strides, seed, dropout_p, keep_scale, row_base,
+    mask_base, mask_strides, seed, dropout_p, keep_scale, row_base, drop_base, drop_cols,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
-    """Add the query tiles [tile_lo, tile_hi) of one query head into (dk, dv) (dk unscaled)."""
+    """Add the query tiles [tile_lo, tile_hi) of one query head into (dk, dv) (dk unscaled).
+
+    row_base indexes the rows' lse and delta; drop_base and drop_cols place them in the dropout grid."""
     q_at, q_step = tile_walk(q_src, q_strides, tile_lo, BLOCK_M, offs_m, offs_d, USE_TMA)
     do_at, do_step = tile_walk(do_src, do_strides, tile_lo, BLOCK_M, offs_m, offs_dv, USE_TMA)
     for tile in tl.range(tile_lo, tile_hi):
@@ -94,7 +107,7 @@ def dkdv_segment(
         pt = tl.math.exp2(s2t - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = dropout_keep(seed, dropout_p, row_base, rows[None, :], cols[:, None], len_k)
+            keep = dropout_keep(seed, dropout_p, drop_base, rows[None, :], cols[:, None], drop_cols)
             dv = tl.dot(tl.where(keep, pt * keep_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpt = tl.where(keep, dpt * keep_scale, 0.0)
         else:
@@ -115,37 +128,45 @@ def dkdv_segment(
 def dkdv_head(
     dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides, mask_strides,
     b, h, heads_q, segments, cols, offs_m, offs_d, offs_dv, len_q, len_k, left, right,
-    scale_log2, seed, dropout_p, keep_scale,
+    scale_log2, seed, dropout_p, keep_scale, q_start, stats_head_stride, drop_rows, drop_cols,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Add every query tile of query head h: masked edge, full, masked diagonal / tail runs."""
     q_base, qs = head_slice(Q, q_strides, b, h)
     do_base, dos = head_slice(DO, do_strides, b, h)
+    if VARLEN:
+        q_base += q_start * qs[0]
+        do_base += q_start * dos[0]
     q_src = tile_source(q_base, qs, len_q, D, BLOCK_M, BLOCK_D, USE_TMA)
     do_src = tile_source(do_base, dos, len_q, DV, BLOCK_M, BLOCK_DV, USE_TMA)
     dq_base, dqs = head_slice(DQ_ACC, dq_strides, b, h)
     mask_base, ms = head_slice(MASK, mask_strides, b, h)
-    row_base = (b * heads_q + h) * len_q
+    if VARLEN:
+        dq_base += q_start * dqs[0]
+        row_base = h * stats_head_stride + q_start
+    else:
+        row_base = (b * heads_q + h) * len_q
+    drop_base = (b * heads_q + h) * drop_rows
     lo, full_lo, full_hi, hi = segments
     dk, dv = dkdv_segment(
         dk, dv, k, v, q_src, do_src, qs, dos, LSE, DELTA, dq_base, dqs, lo, full_lo, cols, offs_m,
         offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p,
-        keep_scale, row_base, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+        keep_scale, row_base, drop_base, drop_cols, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
         MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ,
     )
     dk, dv = dkdv_segment(
         dk, dv, k, v, q_src, do_src, qs, dos, LSE, DELTA, dq_base, dqs, full_lo, full_hi, cols,
         offs_m, offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed,
-        dropout_p, keep_scale, row_base, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
+        dropout_p, keep_scale, row_base, drop_base, drop_cols, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
         HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ,
     )
     dk, dv = dkdv_segment(
         dk, dv, k, v, q_src, do_src, qs, dos, LSE, DELTA, dq_base, dqs, full_hi, hi, cols, offs_m,
         offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p,
-        keep_scale, row_base, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+        keep_scale, row_base, drop_base, drop_cols, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
         MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ,
     )
     return dk, dv
@@ -154,17 +175,20 @@ def dkdv_head(
 @triton.jit(do_not_specialize=["seed"])
 def attention_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DVAL, DQ_ACC, MASK,
+    CU_Q, CU_K,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, mask_strides,
-    heads_q, group, len_q, len_k, num_col_tiles, scale_log2, scale, left, right,
+    heads_q, group, len_q, len_k, num_col_tiles, stats_head_stride, scale_log2, scale, left, right,
     dropout_p, keep_scale, seed,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, ACCUMULATE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """Grid: (num_col_tiles * B * Hk,). DK, DVAL: (B, Hk, Nk, D/Dv) in k's dtype (float32 with ACCUMULATE).
 
-    DQ_ACC: float32 (B, Hq, Nq, D), written only with ATOMIC_DQ.
+    DQ_ACC: float32 (B, Hq, Nq, D), written only with ATOMIC_DQ. VARLEN: as the forward kernel,
+    with LSE and DELTA (Hq, total_q) of head stride stats_head_stride.
     """
     pid = tl.program_id(0)
     heads_k = heads_q // group
@@ -172,6 +196,18 @@ def attention_dkdv_kernel(
     n0 = (pid % num_col_tiles) * BLOCK_N
     b = (bhk // heads_k).to(tl.int64)
     hk = (bhk % heads_k).to(tl.int64)
+    drop_rows = len_q
+    drop_cols = len_k
+    q_start = 0
+    if VARLEN:
+        q_start, len_q = sequence_span(CU_Q, b)
+        k_start, len_k = sequence_span(CU_K, b)
+        if n0 >= len_k:
+            return
+        K += k_start * k_strides[2]
+        V += k_start * v_strides[2]
+        DK += k_start * dk_strides[2]
+        DVAL += k_start * dv_strides[2]
     cols = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -189,8 +225,8 @@ def attention_dkdv_kernel(
             dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides,
             mask_strides, b, hk * group + g, heads_q, (lo, full_lo, full_hi, hi), cols, offs_m,
             offs_d, offs_dv, len_q, len_k, left, right, scale_log2, seed, dropout_p, keep_scale,
-            D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
-            DOT_PRECISION, ATOMIC_DQ,
+            q_start, stats_head_stride, drop_rows, drop_cols, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+            HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, VARLEN,
         )
     dk_ptrs = head_tile_pointers(DK, dk_strides, b, hk, cols, offs_d)
     dv_ptrs = head_tile_pointers(DVAL, dv_strides, b, hk, cols, offs_dv)
@@ -206,7 +242,7 @@ def attention_dkdv_kernel(
 def dq_segment(
     dq, q, do, lse2, delta, k_src, v_src, k_strides, v_strides, tile_lo, tile_hi,
     rows, offs_n, offs_d, offs_dv, len_q, len_k, left, right, scale_log2,
-    mask_base, mask_strides, seed, dropout_p, keep_scale, row_base,
+    mask_base, mask_strides, seed, dropout_p, keep_scale, drop_base, drop_cols,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
@@ -229,7 +265,7 @@ def dq_segment(
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = dropout_keep(seed, dropout_p, row_base, rows[:, None], cols[None, :], len_k)
+            keep = dropout_keep(seed, dropout_p, drop_base, rows[:, None], cols[None, :], drop_cols)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -241,24 +277,43 @@ def dq_segment(
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK,
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K,
     q_strides, k_strides, v_strides, do_strides, dq_strides, mask_strides,
-    heads_q, group, len_q, len_k, num_row_tiles, scale_log2, scale, left, right,
+    heads_q, group, len_q, len_k, num_row_tiles, stats_head_stride, scale_log2, scale, left, right,
     dropout_p, keep_scale, seed,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
-    """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype (float32 with ACCUMULATE)."""
+    """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype (float32 with ACCUMULATE).
+
+    VARLEN: as the dK/dV kernel."""
     b, h, hk, m0 = query_row_tile(tl.program_id(0), num_row_tiles, heads_q, group, BLOCK_M, HEAVY_FIRST)
+    drop_rows = len_q
+    drop_cols = len_k
+    if VARLEN:
+        q_start, len_q = sequence_span(CU_Q, b)
+        k_start, len_k = sequence_span(CU_K, b)
+        if m0 >= len_q:
+            return
+        Q += q_start * q_strides[2]
+        DO += q_start * do_strides[2]
+        DQ += q_start * dq_strides[2]
+        K += k_start * k_strides[2]
+        V += k_start * v_strides[2]
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = load_head_tile(Q, q_strides, b, h, rows, len_q, offs_d, D, BLOCK_D)
     do = load_head_tile(DO, do_strides, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
-    row_base = (b * heads_q + h) * len_q
+    if VARLEN:
+        row_base = h * stats_head_stride + q_start
+    else:
+        row_base = (b * heads_q + h) * len_q
+    drop_base = (b * heads_q + h) * drop_rows
     lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, len_q, True)
     k_base, ks = head_slice(K, k_strides, b, hk)
     v_base, vs = head_slice(V, v_strides, b, hk)
@@ -272,20 +327,20 @@ def attention_dq_kernel(
     # Masked edge tiles, full tiles (no per-element test), masked diagonal / tail tiles.
     dq = dq_segment(
         dq, q, do, lse2, delta, k_src, v_src, ks, vs, lo, full_lo, rows, offs_n, offs_d, offs_dv,
-        len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale, row_base,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
+        len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale, drop_base,
+        drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
         DOT_PRECISION,
     )
     dq = dq_segment(
         dq, q, do, lse2, delta, k_src, v_src, ks, vs, full_lo, full_hi, rows, offs_n, offs_d,
         offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale,
-        row_base, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT,
+        drop_base, drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT,
         USE_TMA, DOT_PRECISION,
     )
     dq = dq_segment(
         dq, q, do, lse2, delta, k_src, v_src, ks, vs, full_hi, hi, rows, offs_n, offs_d, offs_dv,
-        len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale, row_base,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
+        len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale, drop_base,
+        drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
         DOT_PRECISION,
     )
     dq_ptrs = head_tile_pointers(DQ, dq_strides, b, h, rows, offs_d)

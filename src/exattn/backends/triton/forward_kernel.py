@@ -17,14 +17,14 @@ import triton.language as tl
 from .tile_io import (
     head_slice, load_source_tile, load_tile, store_tile, tile_pointers, tile_source, tile_walk,
 )
-from .tiles import dropout_keep, finalize, masked_scores, query_row_tile, tile_segments
+from .tiles import dropout_keep, finalize, masked_scores, query_row_tile, sequence_span, tile_segments
 
 
 @triton.jit
 def forward_segment(
     acc, m_i, l_i, q, k_src, v_src, k_strides, v_strides, tile_lo, tile_hi,
     rows, offs_n, offs_d, offs_dv, len_q, len_k, left, right, scale_log2,
-    mask_base, mask_strides, seed, dropout_p, keep_scale, drop_base,
+    mask_base, mask_strides, seed, dropout_p, keep_scale, drop_base, drop_cols,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
@@ -54,7 +54,7 @@ def forward_segment(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = dropout_keep(seed, dropout_p, drop_base, rows[:, None], cols[None, :], len_k)
+            keep = dropout_keep(seed, dropout_p, drop_base, rows[:, None], cols[None, :], drop_cols)
             p = tl.where(keep, p * keep_scale, 0.0)
         v = load_source_tile(v_at, n0, cols, len_k, offs_dv, DV, BLOCK_DV, CHECK_BAND, USE_TMA)
         acc = acc * alpha[:, None]
@@ -68,18 +68,29 @@ def forward_segment(
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_forward_kernel(
-    Q, K, V, O, LSE, MASK, q_strides, k_strides, v_strides, o_strides, mask_strides,
-    heads_q, group, len_q, len_k, num_row_tiles, scale_log2, left, right, dropout_p, keep_scale, seed,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q, K, V, O, LSE, MASK, CU_Q, CU_K, q_strides, k_strides, v_strides, o_strides, mask_strides,
+    heads_q, group, len_q, len_k, num_row_tiles, lse_head_stride, scale_log2, left, right, dropout_p,
+    keep_scale, seed, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). Strides are (batch, head, row, col) tuples.
 
     O: (B, Hq, Nq, Dv) in q's dtype; LSE: contiguous (B, Hq, Nq) float32, natural log.
+    VARLEN: b is a packed sequence, rows CU_Q[b]:CU_Q[b+1] of Q and O (batch strides 0) and
+    CU_K[b]:CU_K[b+1] of K and V; len_q, len_k are the longest lengths (the dropout grid's),
+    and LSE is (Hq, total_q) with head stride lse_head_stride.
     """
     b, h, hk, m0 = query_row_tile(tl.program_id(0), num_row_tiles, heads_q, group, BLOCK_M, HEAVY_FIRST)
+    drop_rows = len_q
+    drop_cols = len_k
+    if VARLEN:
+        q_start, len_q = sequence_span(CU_Q, b)
+        k_start, len_k = sequence_span(CU_K, b)
+        if m0 >= len_q:
+            return
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -88,6 +99,10 @@ def attention_forward_kernel(
     q_base, q_rc = head_slice(Q, q_strides, b, h)
     k_base, kv_strides = head_slice(K, k_strides, b, hk)
     v_base, vv_strides = head_slice(V, v_strides, b, hk)
+    if VARLEN:
+        q_base += q_start * q_rc[0]
+        k_base += k_start * kv_strides[0]
+        v_base += k_start * vv_strides[0]
     if USE_TMA:
         q = tile_source(q_base, q_rc, len_q, D, BLOCK_M, BLOCK_D, True).load([m0, 0])
     else:
@@ -95,7 +110,7 @@ def attention_forward_kernel(
     k_src = tile_source(k_base, kv_strides, len_k, D, BLOCK_N, BLOCK_D, USE_TMA)
     v_src = tile_source(v_base, vv_strides, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base, mask_rc = head_slice(MASK, mask_strides, b, h)
-    drop_base = (b * heads_q + h) * len_q
+    drop_base = (b * heads_q + h) * drop_rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -109,30 +124,36 @@ def attention_forward_kernel(
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, lo, hi, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
-            keep_scale, drop_base, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+            keep_scale, drop_base, drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
             MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, True,
         )
     else:
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, lo, full_lo, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
-            keep_scale, drop_base, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+            keep_scale, drop_base, drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
             MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False,
         )
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, full_lo, full_hi, rows, offs_n,
             offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed,
-            dropout_p, keep_scale, drop_base, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
+            dropout_p, keep_scale, drop_base, drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
             HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False,
         )
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, full_hi, hi, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
-            keep_scale, drop_base, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+            keep_scale, drop_base, drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
             MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False,
         )
 
     out, lse = finalize(acc, m_i, l_i)
     o_base, o_rc = head_slice(O, o_strides, b, h)
+    if VARLEN:
+        o_base += q_start * o_rc[0]
     store_tile(tile_pointers(o_base, o_rc, rows, offs_dv), out, rows, len_q, offs_dv, DV)
-    tl.store(LSE + (b * heads_q + h) * len_q + rows, lse, mask=rows < len_q)
+    if VARLEN:
+        lse_at = LSE + h * lse_head_stride + q_start + rows
+    else:
+        lse_at = LSE + (b * heads_q + h) * len_q + rows
+    tl.store(lse_at, lse, mask=rows < len_q)

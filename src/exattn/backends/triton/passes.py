@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -145,7 +146,7 @@ def config_for(kind: str, q, v, mask, params: AttentionParams) -> TileConfig:
     causal = params.window[1] == 0 and params.window[0] == UNBOUNDED
     general = mask is not None or params.dropout_p > 0
     cfg = choose_config(
-        kind, (q.shape[3], v.shape[3]), q.dtype, causal, general, interpreting(),
+        kind, (q.shape[-1], v.shape[-1]), q.dtype, causal, general, interpreting(),
         params.block_m, params.block_n,
     )
     if cfg is None:
@@ -166,17 +167,60 @@ def grid_of(tiles: int, heads: int) -> tuple[int]:
     return (size,)
 
 
-def triton_forward(q, k, v, mask, params: AttentionParams):
-    """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32, natural log."""
+class Packing(NamedTuple):
+    """Packed variable-length sequences: sequence b owns rows cu_q[b]:cu_q[b+1] of the token-major
+    (total, H, d) tensors (cu_k for K/V), at most max_q / max_k of them; the kernels read the offsets."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_q.shape[0] - 1
+
+
+def kernel_view(x: torch.Tensor, packing: Packing | None) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(tensor, (batch, head, row, col) strides) as the kernels index it: a packed (total, H, d)
+    tensor is one (1, H, total, d) view whose batch stride is 0 (the offsets place each sequence)."""
+    if packing is None:
+        return x, x.stride()
+    return x, (0, x.stride(1), x.stride(0), x.stride(2))
+
+
+def problem_sizes(q, k, v, packing: Packing | None) -> tuple[int, int, int, int, int, int, int]:
+    """(batch, heads_q, heads_k, len_q, len_k, dim, dim_v); packed: the longest lengths."""
+    if packing is None:
+        return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    return packing.batch, q.shape[1], k.shape[1], packing.max_q, packing.max_k, q.shape[2], v.shape[2]
+
+
+def packing_args(q: torch.Tensor, packing: Packing | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(CU_Q, CU_K, stats head stride) kernel arguments: unused placeholders for dense problems."""
+    if packing is None:
+        return q, q, 0
+    return packing.cu_q, packing.cu_k, q.shape[0]
+
+
+def row_stats(q: torch.Tensor, packing: Packing | None) -> torch.Tensor:
+    """An empty float32 per-row buffer: (B, Hq, Nq), or (Hq, total_q) packed."""
+    shape = q.shape[:3] if packing is None else (q.shape[1], q.shape[0])
+    return torch.empty(shape, dtype=torch.float32, device=q.device)
+
+
+def triton_forward(q, k, v, mask, params: AttentionParams, packing: Packing | None = None):
+    """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32, natural log.
+
+    packing: q, k, v are token-major (total, H, d); out is (total_q, Hq, Dv), lse (Hq, total_q)."""
     with on_device(q):
-        return launch_forward(q, k, v, mask, params)
+        return launch_forward(q, k, v, mask, params, packing)
 
 
-def launch_forward(q, k, v, mask, params: AttentionParams):
-    batch, heads_q, len_q, dim = q.shape
-    heads_k, len_k, dim_v = k.shape[1], k.shape[2], v.shape[3]
-    out = torch.empty(batch, heads_q, len_q, dim_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
+def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | None = None):
+    batch, heads_q, heads_k, len_q, len_k, dim, dim_v = problem_sizes(q, k, v, packing)
+    out = torch.empty((*q.shape[:-1], dim_v), dtype=q.dtype, device=q.device)
+    lse = row_stats(q, packing)
     if out.numel() == 0 or len_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     cfg = config_for("forward", q, v, mask, params)
@@ -184,48 +228,58 @@ def launch_forward(q, k, v, mask, params: AttentionParams):
     flags = kernel_flags(q, params)
     use_ws = cfg.warp_specialize and cfg.num_warps == 4 and hopper(q)
     num_tiles = ceil_div(len_q, cfg.block_m)
+    (q, q_strides), (k, k_strides), (v, v_strides), (out, o_strides) = (
+        kernel_view(x, packing) for x in (q, k, v, out))
     attention_forward_kernel[grid_of(num_tiles, batch * heads_q)](
-        q, k, v, out, lse, mask_arg, q.stride(), k.stride(), v.stride(), out.stride(), mask_strides,
-        heads_q, heads_q // heads_k, len_q, len_k, num_tiles, **scalar_args(params),
+        q, k, v, out, lse, mask_arg, *packing_args(q, packing)[:2], q_strides, k_strides, v_strides,
+        o_strides, mask_strides, heads_q, heads_q // heads_k, len_q, len_k, num_tiles,
+        packing_args(q, packing)[2], **scalar_args(params),
         D=dim, DV=dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v), MASK_KIND=mask_kind,
         USE_TMA=can_use_tma(q, k, v), HEAVY_FIRST=heavy_first(params),
-        WARP_SPECIALIZE=use_ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        WARP_SPECIALIZE=use_ws, VARLEN=packing is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **flags,
     )
     return out, lse
 
 
-def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
+def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None,
+                    packing: Packing | None = None):
     """dq, dk, dv (in q, k, v's dtypes) for `triton_forward`, recomputing tiles from lse.
 
     accumulate_into: optional float32 (dq, dk, dv) of q, k, v's shapes, any strides:
     the gradients are added into them, tile by tile inside the kernels, and they are returned.
+    packing: as `triton_forward` (then lse is (Hq, total_q)).
     """
     accumulate_into = check_accumulators(accumulate_into, q, k, v)
     with on_device(q):
-        return launch_backward(dout, q, k, v, mask, out, lse, params, accumulate_into)
+        return launch_backward(dout, q, k, v, mask, out, lse, params, accumulate_into, packing)
 
 
-def row_deltas(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """delta = rowsum(out * dout) in float32, contiguous (B, Hq, Nq): the backward's preprocess."""
-    batch, heads_q, len_q, dim_v = out.shape
-    delta = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=out.device)
+def row_deltas(out: torch.Tensor, dout: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
+    """delta = rowsum(out * dout) in float32, contiguous (B, Hq, Nq) (packed: (Hq, total_q)):
+    the backward's preprocess."""
+    delta = row_stats(out, packing)
+    batch, heads_q, _, len_q, _, _, dim_v = problem_sizes(out, out, out, packing)
     row_tiles = ceil_div(len_q, 64)
+    (out, o_strides), (dout, do_strides) = (kernel_view(x, packing) for x in (out, dout))
+    cu_q, _, stats_stride = packing_args(out, packing)
     attention_delta_kernel[grid_of(row_tiles, batch * heads_q)](
-        out, dout, delta, out.stride(), dout.stride(), heads_q, len_q, row_tiles,
-        DV=dim_v, BLOCK_M=64, BLOCK_DV=padded_dim(dim_v), num_warps=4,
+        out, dout, delta, cu_q, o_strides, do_strides, heads_q, len_q, row_tiles, stats_stride,
+        DV=dim_v, BLOCK_M=64, BLOCK_DV=padded_dim(dim_v), VARLEN=packing is not None, num_warps=4,
     )
     return delta
 
 
-def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
-    batch, heads_q, len_q, dim = q.shape
-    heads_k, len_k, dim_v = k.shape[1], k.shape[2], v.shape[3]
+def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None,
+                    packing: Packing | None = None):
+    batch, heads_q, heads_k, len_q, len_k, dim, dim_v = problem_sizes(q, k, v, packing)
     accumulate = accumulate_into is not None
-    if 0 in (batch, heads_q, len_q, len_k):
+    if 0 in (batch, heads_q, len_q, len_k) or q.numel() == 0 or k.numel() == 0:
         return accumulate_into if accumulate else (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     lse = lse.to(torch.float32).contiguous()
-    delta = row_deltas(out, dout)
+    delta = row_deltas(out, dout, packing)
+    cu_q, cu_k, stats_stride = packing_args(q, packing)
     mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
     flags = kernel_flags(q, params)
     scalars = dict(scalar_args(params), scale=params.scale)
@@ -243,13 +297,13 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
 
     cfg = config_for("dkdv", q, v, mask, params)
     col_tiles = ceil_div(len_k, cfg.block_n)
+    strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dk, dv, dq_acc)]
     attention_dkdv_kernel[grid_of(col_tiles, batch * heads_k)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg,
-        q.stride(), k.stride(), v.stride(), dout.stride(), dk.stride(), dv.stride(),
-        dq_acc.stride(), mask_strides, heads_q, group, len_q, len_k, col_tiles, **scalars,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg, cu_q, cu_k, *strides, mask_strides,
+        heads_q, group, len_q, len_k, col_tiles, stats_stride, **scalars,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
-        ATOMIC_DQ=atomic, ACCUMULATE=accumulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **dims, **flags,
+        ATOMIC_DQ=atomic, ACCUMULATE=accumulate, VARLEN=packing is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **dims, **flags,
     )
     if atomic:
         if accumulate:
@@ -258,12 +312,12 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
 
     cfg = config_for("dq", q, v, mask, params)
     row_tiles = ceil_div(len_q, cfg.block_m)
+    strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dq)]
     attention_dq_kernel[grid_of(row_tiles, batch * heads_q)](
-        q, k, v, dout, lse, delta, dq, mask_arg,
-        q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride(), mask_strides,
-        heads_q, group, len_q, len_k, row_tiles, **scalars,
+        q, k, v, dout, lse, delta, dq, mask_arg, cu_q, cu_k, *strides, mask_strides,
+        heads_q, group, len_q, len_k, row_tiles, stats_stride, **scalars,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
-        HEAVY_FIRST=heavy_first(params), ACCUMULATE=accumulate, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **dims, **flags,
+        HEAVY_FIRST=heavy_first(params), ACCUMULATE=accumulate, VARLEN=packing is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dims, **flags,
     )
     return dq, dk, dv

@@ -40,6 +40,13 @@ def query_row_tile(pid, num_row_tiles, heads_q, group, BLOCK_M: tl.constexpr, HE
 
 
 @triton.jit
+def sequence_span(CU, b):
+    """(start, length) of packed sequence b, rows CU[b] : CU[b + 1] of int32 offsets; start as int64."""
+    start = tl.load(CU + b)
+    return start.to(tl.int64), tl.load(CU + b + 1) - start
+
+
+@triton.jit
 def tile_segments(
     start, stop, len_a, len_b, before, after,
     BLOCK: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr,

@@ -1,0 +1,24 @@
+"""The Triton passes over packed variable-length batches (`exattn.attention_varlen`).
+
+The dense kernels serve them with VARLEN set: sequence b's programs read its
+rows from the int32 offsets on the device (no host sync), the grid is sized by
+the longest lengths, and programs past a sequence's end return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...problem import AttentionParams
+from .passes import Packing, triton_backward, triton_forward
+
+
+def triton_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: AttentionParams):
+    """out (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) float32 natural log (-inf: no key)."""
+    return triton_forward(q, k, v, None, params, Packing(cu_q, cu_k, max_q, max_k))
+
+
+def triton_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out, lse,
+                           params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv in the dtypes and token-major shapes of q, k, v."""
+    return triton_backward(dout, q, k, v, None, out, lse, params, packing=Packing(cu_q, cu_k, max_q, max_k))
