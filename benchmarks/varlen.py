@@ -160,12 +160,13 @@ def extra_memory(lengths, heads, head_dim, causal) -> dict:
     torch.cuda.reset_peak_memory_stats()
     out, lse = exattn.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal, return_lse=True)
     torch.cuda.synchronize()
-    fwd_extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size() - lse.numel() * 4
+    results = out.numel() * out.element_size() + lse.numel() * 4
+    fwd_extra = torch.cuda.max_memory_allocated() - base - results
     torch.cuda.reset_peak_memory_stats()
     out.backward(dout)
     torch.cuda.synchronize()
     grads = sum(x.grad.numel() * x.grad.element_size() for x in (q, k, v))
-    bwd_extra = torch.cuda.max_memory_allocated() - base - grads
+    bwd_extra = torch.cuda.max_memory_allocated() - base - results - grads
     return dict(fwd_extra_bytes=fwd_extra, fwd_extra_fraction=fwd_extra / inputs,
                 fwd_bwd_extra_bytes=bwd_extra, fwd_bwd_extra_fraction=bwd_extra / inputs, input_bytes=inputs)
 
