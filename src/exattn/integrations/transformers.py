@@ -11,34 +11,44 @@ unregistered name no mask at all (padding would be silently ignored):
   True = attend, built by transformers' own `sdpa_mask`; except that a plain
   causal mask without padding, whose queries are the last Nq keys (a prefill,
   or new tokens over a KV cache), becomes None, and the attention function
-  applies exattn's bottom-right causal rule instead of a mask.
-- `exattn_attention_forward` (attention interface): runs `exattn.decode` for
-  a few new tokens over a longer cache (no mask, causal or Nq = 1, no dropout,
-  no gradient), else `exattn.attention` with the mask, the module's `scaling`,
-  the `dropout` transformers passes, and K/V heads shared across query heads
-  (GQA) without copying.
+  applies exattn's bottom-right causal rule instead of a mask. The
+  block-diagonal mask of a packed batch (one row, position ids restarting per
+  document) is not built either: it becomes a `DeferredPackedMask`.
+- `exattn_attention_forward` (attention interface): runs `exattn.attention_varlen`
+  on a packed batch (the `cu_seq_lens_q/k`, `max_length_q/k` keywords, as
+  `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` makes them),
+  `exattn.decode` for a few new tokens over a longer cache (no mask, causal or
+  Nq = 1, no dropout, no gradient), else `exattn.attention` with the mask, the
+  module's `scaling`, the `dropout` transformers passes, and K/V heads shared
+  across query heads (GQA) without copying.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import (
     AttentionMaskInterface,
     causal_mask_function,
+    packed_sequence_mask_function,
     prepare_padding_mask,
     sdpa_mask,
 )
 
 from ..attention import attention
 from ..decode import decode
+from ..varlen import attention_varlen
 
 NAME = "exattn"
 # At most this many new tokens over a longer cache go to `exattn.decode`.
 DECODE_MAX_QUERIES = 16
 UNSUPPORTED = ("softcap", "s_aux", "position_bias")
+# The code of the same-document rule transformers adds to the mask of a packed batch
+# (`packed_sequence_mask_function(ids)` returns a new closure over this code each call).
+PACKED_RULE_CODE = packed_sequence_mask_function(torch.zeros(1, 1, dtype=torch.long)).__code__
 
 
 def register(name: str = NAME) -> None:
@@ -55,8 +65,15 @@ def exattn_mask(
     """transformers' mask interface: None for plain bottom-right causal, else SDPA's bool mask.
 
     attention_mask: the 2-D padding mask (B, past + Nq), True/1 = real token.
-    Returns None or bool (B, 1, Nq, Nk), possibly a broadcast view.
+    Returns None, bool (B, 1, Nq, Nk) (possibly a broadcast view), or, for a
+    packed batch, a `DeferredPackedMask` that builds that mask only if the
+    attention function gets no sequence offsets.
     """
+    if attention_mask is None and is_packed_sequence_rule(mask_function):
+        return DeferredPackedMask(dict(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+            kv_offset=kv_offset, mask_function=mask_function, **kwargs,
+        ))
     if allow_is_causal_skip and is_plain_causal(
         q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, kwargs.get("local_size")
     ):
@@ -82,6 +99,37 @@ def is_plain_causal(q_length, kv_length, q_offset, kv_offset, mask_function, att
     return padding.shape[-1] == kv_length and bool(padding.all())
 
 
+def is_packed_sequence_rule(mask_function) -> bool:
+    """True for the mask function `create_causal_mask` (and its sliding-window and chunked
+    variants) builds for a packed batch: `and_masks(..., packed_sequence_mask_function(ids))`.
+
+    Reads the `and_masks` closure; if a transformers release builds it otherwise, this is
+    False and the mask is materialized as before (correct, at O(N^2) memory).
+    """
+    for cell in getattr(mask_function, "__closure__", None) or ():
+        parts = cell.cell_contents
+        if isinstance(parts, tuple) and any(getattr(part, "__code__", None) is PACKED_RULE_CODE for part in parts):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class DeferredPackedMask:
+    """The block-diagonal mask of a packed batch, not built.
+
+    transformers makes it from position ids that restart per document, once per
+    forward, before it knows whether the attention function receives the
+    documents' offsets. With `cu_seq_lens_q/k` the attention function runs
+    `attention_varlen` and never builds it; without them `build()` gives the
+    bool (1, 1, N, N) mask SDPA would get. `arguments`: `sdpa_mask`'s keywords.
+    """
+
+    arguments: dict
+
+    def build(self) -> torch.Tensor:
+        return sdpa_mask(**self.arguments, attention_mask=None, allow_is_causal_skip=False)
+
+
 def exattn_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -97,11 +145,29 @@ def exattn_attention_forward(
 
     query: (B, Hq, Nq, D); key, value: (B, Hk, Nk, D | Dv), after the KV-cache
     update; attention_mask: None (causal per the module, bottom-right, or
-    full), or bool / additive float broadcastable to (B, Hq, Nq, Nk).
+    full), bool / additive float broadcastable to (B, Hq, Nq, Nk), or a
+    `DeferredPackedMask`. kwargs `cu_seq_lens_q`, `cu_seq_lens_k` ((n + 1,)
+    offsets of n packed documents, any int dtype and device) and `max_length_q`,
+    `max_length_k` (int or 0-d tensor; computed from the offsets if absent):
+    a packed batch, B = 1, run by `packed_attention`.
     Returns (out (B, Nq, Hq, Dv), None): exattn never forms the weights.
     """
     check_kwargs(kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        if attention_mask is not None and not isinstance(attention_mask, DeferredPackedMask):
+            raise ValueError(
+                "attn_implementation='exattn' got a packed batch (cu_seq_lens_q/k) together with an attention "
+                "mask; a packed batch has no padding: drop attention_mask (DataCollatorWithFlattening gives none)"
+            )
+        sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        return packed_attention(
+            query, key, value, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
+            kwargs.get("max_length_q"), kwargs.get("max_length_k"), causal=bool(causal),
+            sliding_window=sliding_window, scale=scaling, dropout=dropout,
+        ), None
+    if isinstance(attention_mask, DeferredPackedMask):
+        attention_mask = attention_mask.build()
     if attention_mask is None and use_decode(query, key, value, causal, dropout):
         # Every key is valid (no cache_seqlens), so there is nothing to validate (and no sync).
         out = decode(query, key, value, scale=scaling, validate=False)
@@ -111,6 +177,44 @@ def exattn_attention_forward(
             mask=attention_mask, scale=scaling, dropout_p=dropout,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def packed_attention(
+    query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, *,
+    causal: bool, sliding_window: int | None, scale: float | None, dropout: float,
+) -> torch.Tensor:
+    """A packed batch through `attention_varlen`: no padding and no (N, N) mask.
+
+    query: (1, Hq, total_q, D); key, value: (1, Hk, total_k, D | Dv); document b
+    owns rows `cu_seq_lens_*[b] : cu_seq_lens_*[b + 1]`. Causal is bottom-right
+    within each document. `sliding_window` w keeps the w most recent keys, the
+    query's own included (transformers' convention): window (w - 1, w - 1),
+    whose right side causal folds to 0, as transformers' FlashAttention path.
+    Returns (1, total_q, Hq, Dv).
+    """
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"attn_implementation='exattn' got cu_seq_lens_q/k with batch size {query.shape[0]}; a packed "
+            "batch is one row of concatenated documents, shape (1, total)"
+        )
+    if cu_seq_lens_q is None or cu_seq_lens_k is None:
+        raise ValueError("attn_implementation='exattn' needs both cu_seq_lens_q and cu_seq_lens_k for a packed batch")
+    offsets_q, offsets_k = (torch.as_tensor(x).to(device=query.device, dtype=torch.int32)
+                            for x in (cu_seq_lens_q, cu_seq_lens_k))
+    window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    out = attention_varlen(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), offsets_q, offsets_k,
+        longest(max_length_q, offsets_q), longest(max_length_k, offsets_k),
+        causal=causal, window=window, scale=scale, dropout_p=dropout,
+    )
+    return out.unsqueeze(0)
+
+
+def longest(max_length, offsets: torch.Tensor) -> int:
+    """`max_length_*` as a Python int (a tensor is read once); the longest document if absent."""
+    if max_length is None:
+        return int(offsets.diff().max()) if offsets.shape[0] > 1 else 0
+    return max_length if isinstance(max_length, int) else int(max_length)
 
 
 def use_decode(query, key, value, causal: bool, dropout: float) -> bool:
