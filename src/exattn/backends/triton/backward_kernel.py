@@ -27,7 +27,9 @@ from .tile_io import (
     head_slice, head_tile_pointers, load_head_tile, load_source_tile, load_tile, store_tile, tile_pointers,
     tile_source, tile_walk,
 )
-from .tiles import LOG2E, dropout_keep, masked_scores, query_row_tile, sequence_span, tile_segments
+from .tiles import (
+    LOG2E, dropout_keep, masked_scores, query_row_tile, row_slope, score_mods, sequence_span, tile_segments,
+)
 
 
 @triton.jit
@@ -76,11 +78,12 @@ def load_row_stats(LSE, DELTA, row_base, rows, len_q, CHECK_ROWS: tl.constexpr):
 def dkdv_segment(
     dk, dv, k, v, q_src, do_src, q_strides, do_strides, LSE, DELTA, DQ_ACC, dq_strides,
     tile_lo, tile_hi, cols, offs_m, offs_d, offs_dv, len_q, len_k, left, right, scale_log2,
-    mask_base, mask_strides, seed, dropout_p, keep_scale, row_base, drop_base, drop_cols,
+    mask_base, mask_strides, seed, dropout_p, keep_scale, row_base, drop_base, drop_cols, mods,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Add the query tiles [tile_lo, tile_hi) of one query head into (dk, dv) (dk unscaled).
 
@@ -99,6 +102,7 @@ def dkdv_segment(
             s2t = tl.trans(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)) * scale_log2
         else:
             s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
+        s2t, dcap = score_mods(s2t, rows[None, :], cols[:, None], len_q, len_k, mods, HAS_SOFTCAP, HAS_ALIBI)
         if CHECK_BAND or MASK_KIND != 0:
             s2t = masked_scores(
                 s2t, rows[None, :], cols[:, None], len_q, len_k, left, right, mask_base,
@@ -112,7 +116,10 @@ def dkdv_segment(
             dpt = tl.where(keep, dpt * keep_scale, 0.0)
         else:
             dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+        dst = pt * (dpt - delta[None, :])
+        if HAS_SOFTCAP:
+            dst = dst * dcap
+        dst = dst.to(q.dtype)
         dk = tl.dot(dst, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION)
@@ -129,10 +136,12 @@ def dkdv_head(
     dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides, mask_strides,
     b, h, heads_q, segments, cols, offs_m, offs_d, offs_dv, len_q, len_k, left, right,
     scale_log2, seed, dropout_p, keep_scale, q_start, stats_head_stride, drop_rows, drop_cols,
+    ALIBI, alibi_strides, softcap2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Add every query tile of query head h: masked edge, full, masked diagonal / tail runs."""
     q_base, qs = head_slice(Q, q_strides, b, h)
@@ -150,40 +159,41 @@ def dkdv_head(
     else:
         row_base = (b * heads_q + h) * len_q
     drop_base = (b * heads_q + h) * drop_rows
+    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI))
     lo, full_lo, full_hi, hi = segments
     dk, dv = dkdv_segment(
         dk, dv, k, v, q_src, do_src, qs, dos, LSE, DELTA, dq_base, dqs, lo, full_lo, cols, offs_m,
         offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p,
-        keep_scale, row_base, drop_base, drop_cols, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-        MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ,
+        keep_scale, row_base, drop_base, drop_cols, mods, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+        MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, HAS_SOFTCAP, HAS_ALIBI,
     )
     dk, dv = dkdv_segment(
         dk, dv, k, v, q_src, do_src, qs, dos, LSE, DELTA, dq_base, dqs, full_lo, full_hi, cols,
         offs_m, offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed,
-        dropout_p, keep_scale, row_base, drop_base, drop_cols, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
-        HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ,
+        dropout_p, keep_scale, row_base, drop_base, drop_cols, mods, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
+        HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, HAS_SOFTCAP, HAS_ALIBI,
     )
     dk, dv = dkdv_segment(
         dk, dv, k, v, q_src, do_src, qs, dos, LSE, DELTA, dq_base, dqs, full_hi, hi, cols, offs_m,
         offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p,
-        keep_scale, row_base, drop_base, drop_cols, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-        MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ,
+        keep_scale, row_base, drop_base, drop_cols, mods, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+        MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, HAS_SOFTCAP, HAS_ALIBI,
     )
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DVAL, DQ_ACC, MASK,
-    CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DVAL, DQ_ACC, MASK, CU_Q, CU_K, ALIBI,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, mask_strides,
-    heads_q, group, len_q, len_k, num_col_tiles, stats_head_stride, scale_log2, scale, left, right,
+    alibi_strides, heads_q, group, len_q, len_k, num_col_tiles, stats_head_stride, softcap2, scale_log2,
+    scale, left, right,
     dropout_p, keep_scale, seed,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, ACCUMULATE: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Grid: (num_col_tiles * B * Hk,). DK, DVAL: (B, Hk, Nk, D/Dv) in k's dtype (float32 with ACCUMULATE).
 
@@ -225,8 +235,9 @@ def attention_dkdv_kernel(
             dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides,
             mask_strides, b, hk * group + g, heads_q, (lo, full_lo, full_hi, hi), cols, offs_m,
             offs_d, offs_dv, len_q, len_k, left, right, scale_log2, seed, dropout_p, keep_scale,
-            q_start, stats_head_stride, drop_rows, drop_cols, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
-            HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, VARLEN,
+            q_start, stats_head_stride, drop_rows, drop_cols, ALIBI, alibi_strides, softcap2, D, DV, BLOCK_M,
+            BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, VARLEN,
+            HAS_SOFTCAP, HAS_ALIBI,
         )
     dk_ptrs = head_tile_pointers(DK, dk_strides, b, hk, cols, offs_d)
     dv_ptrs = head_tile_pointers(DVAL, dv_strides, b, hk, cols, offs_dv)
@@ -242,11 +253,11 @@ def attention_dkdv_kernel(
 def dq_segment(
     dq, q, do, lse2, delta, k_src, v_src, k_strides, v_strides, tile_lo, tile_hi,
     rows, offs_n, offs_d, offs_dv, len_q, len_k, left, right, scale_log2,
-    mask_base, mask_strides, seed, dropout_p, keep_scale, drop_base, drop_cols,
+    mask_base, mask_strides, seed, dropout_p, keep_scale, drop_base, drop_cols, mods,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Add the key tiles [tile_lo, tile_hi) into dq (unscaled)."""
     k_at, k_step = tile_walk(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d, USE_TMA)
@@ -257,6 +268,7 @@ def dq_segment(
         k = load_source_tile(k_at, n0, cols, len_k, offs_d, D, BLOCK_D, CHECK_BAND, USE_TMA)
         v = load_source_tile(v_at, n0, cols, len_k, offs_dv, DV, BLOCK_DV, CHECK_BAND, USE_TMA)
         s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s2, dcap = score_mods(s2, rows[:, None], cols[None, :], len_q, len_k, mods, HAS_SOFTCAP, HAS_ALIBI)
         if CHECK_BAND or MASK_KIND != 0:
             s2 = masked_scores(
                 s2, rows[:, None], cols[None, :], len_q, len_k, left, right, mask_base,
@@ -268,6 +280,8 @@ def dq_segment(
             keep = dropout_keep(seed, dropout_p, drop_base, rows[:, None], cols[None, :], drop_cols)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * dcap
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         if not USE_TMA:
             k_at += k_step
@@ -277,15 +291,15 @@ def dq_segment(
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K,
-    q_strides, k_strides, v_strides, do_strides, dq_strides, mask_strides,
-    heads_q, group, len_q, len_k, num_row_tiles, stats_head_stride, scale_log2, scale, left, right,
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K, ALIBI,
+    q_strides, k_strides, v_strides, do_strides, dq_strides, mask_strides, alibi_strides,
+    heads_q, group, len_q, len_k, num_row_tiles, stats_head_stride, softcap2, scale_log2, scale, left, right,
     dropout_p, keep_scale, seed,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype (float32 with ACCUMULATE).
 
@@ -314,6 +328,7 @@ def attention_dq_kernel(
     else:
         row_base = (b * heads_q + h) * len_q
     drop_base = (b * heads_q + h) * drop_rows
+    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI))
     lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, len_q, True)
     k_base, ks = head_slice(K, k_strides, b, hk)
     v_base, vs = head_slice(V, v_strides, b, hk)
@@ -328,20 +343,20 @@ def attention_dq_kernel(
     dq = dq_segment(
         dq, q, do, lse2, delta, k_src, v_src, ks, vs, lo, full_lo, rows, offs_n, offs_d, offs_dv,
         len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale, drop_base,
-        drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
-        DOT_PRECISION,
+        drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
+        DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI,
     )
     dq = dq_segment(
         dq, q, do, lse2, delta, k_src, v_src, ks, vs, full_lo, full_hi, rows, offs_n, offs_d,
         offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale,
-        drop_base, drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT,
-        USE_TMA, DOT_PRECISION,
+        drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT,
+        USE_TMA, DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI,
     )
     dq = dq_segment(
         dq, q, do, lse2, delta, k_src, v_src, ks, vs, full_hi, hi, rows, offs_n, offs_d, offs_dv,
         len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale, drop_base,
-        drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
-        DOT_PRECISION,
+        drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
+        DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI,
     )
     dq_ptrs = head_tile_pointers(DQ, dq_strides, b, h, rows, offs_d)
     dq = dq * scale

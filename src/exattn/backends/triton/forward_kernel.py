@@ -17,18 +17,22 @@ import triton.language as tl
 from .tile_io import (
     head_slice, load_source_tile, load_tile, store_tile, tile_pointers, tile_source, tile_walk,
 )
-from .tiles import dropout_keep, finalize, masked_scores, query_row_tile, sequence_span, tile_segments
+from .tiles import (
+    LOG2E, add_sink, dropout_keep, finalize, masked_scores, query_row_tile, row_slope, score_mods, sequence_span,
+    tile_segments,
+)
 
 
 @triton.jit
 def forward_segment(
     acc, m_i, l_i, q, k_src, v_src, k_strides, v_strides, tile_lo, tile_hi,
     rows, offs_n, offs_d, offs_dv, len_q, len_k, left, right, scale_log2,
-    mask_base, mask_strides, seed, dropout_p, keep_scale, drop_base, drop_cols,
+    mask_base, mask_strides, seed, dropout_p, keep_scale, drop_base, drop_cols, mods,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Fold key tiles [tile_lo, tile_hi) into (acc, m_i, l_i); CHECK_BAND masks every element."""
     k_at, k_step = tile_walk(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d, USE_TMA)
@@ -38,9 +42,11 @@ def forward_segment(
         cols = n0 + offs_n
         k = load_source_tile(k_at, n0, cols, len_k, offs_d, D, BLOCK_D, CHECK_BAND, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if CHECK_BAND or MASK_KIND != 0:
+        if CHECK_BAND or MASK_KIND != 0 or HAS_SOFTCAP or HAS_ALIBI:
+            s2, _ = score_mods(qk * scale_log2, rows[:, None], cols[None, :], len_q, len_k, mods, HAS_SOFTCAP,
+                               HAS_ALIBI)
             s2 = masked_scores(
-                qk * scale_log2, rows[:, None], cols[None, :], len_q, len_k, left, right, mask_base,
+                s2, rows[:, None], cols[None, :], len_q, len_k, left, right, mask_base,
                 mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND,
             )
             m_new = tl.maximum(m_i, tl.max(s2, 1))
@@ -68,20 +74,22 @@ def forward_segment(
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_forward_kernel(
-    Q, K, V, O, LSE, MASK, CU_Q, CU_K, q_strides, k_strides, v_strides, o_strides, mask_strides,
-    heads_q, group, len_q, len_k, num_row_tiles, lse_head_stride, scale_log2, left, right, dropout_p,
-    keep_scale, seed, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q, K, V, O, LSE, MASK, CU_Q, CU_K, SINKS, ALIBI, q_strides, k_strides, v_strides, o_strides,
+    mask_strides, alibi_strides, heads_q, group, len_q, len_k, num_row_tiles, lse_head_stride, softcap2,
+    scale_log2, left, right, dropout_p, keep_scale, seed, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). Strides are (batch, head, row, col) tuples.
 
     O: (B, Hq, Nq, Dv) in q's dtype; LSE: contiguous (B, Hq, Nq) float32, natural log.
     VARLEN: b is a packed sequence, rows CU_Q[b]:CU_Q[b+1] of Q and O (batch strides 0) and
     CU_K[b]:CU_K[b+1] of K and V; len_q, len_k are the longest lengths (the dropout grid's),
-    and LSE is (Hq, total_q) with head stride lse_head_stride.
+    and LSE is (Hq, total_q) with head stride lse_head_stride. Score rules: softcap2 = softcap * log2 e
+    (HAS_SOFTCAP), ALiBi slopes at ALIBI with (batch, head) strides (HAS_ALIBI), one sink logit a query
+    head at SINKS (HAS_SINKS).
     """
     b, h, hk, m0 = query_row_tile(tl.program_id(0), num_row_tiles, heads_q, group, BLOCK_M, HEAVY_FIRST)
     drop_rows = len_q
@@ -111,6 +119,7 @@ def attention_forward_kernel(
     v_src = tile_source(v_base, vv_strides, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base, mask_rc = head_slice(MASK, mask_strides, b, h)
     drop_base = (b * heads_q + h) * drop_rows
+    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -124,29 +133,31 @@ def attention_forward_kernel(
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, lo, hi, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
-            keep_scale, drop_base, drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, True,
+            keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, True, HAS_SOFTCAP, HAS_ALIBI,
         )
     else:
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, lo, full_lo, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
-            keep_scale, drop_base, drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False,
+            keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI,
         )
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, full_lo, full_hi, rows, offs_n,
             offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed,
-            dropout_p, keep_scale, drop_base, drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
-            HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False,
+            dropout_p, keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
+            HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI,
         )
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, full_hi, hi, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
-            keep_scale, drop_base, drop_cols, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False,
+            keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI,
         )
 
+    if HAS_SINKS:
+        acc, m_i, l_i = add_sink(acc, m_i, l_i, tl.load(SINKS + h).to(tl.float32) * LOG2E)
     out, lse = finalize(acc, m_i, l_i)
     o_base, o_rc = head_slice(O, o_strides, b, h)
     if VARLEN:

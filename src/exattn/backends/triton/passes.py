@@ -203,25 +203,39 @@ def packing_args(q: torch.Tensor, packing: Packing | None) -> tuple[torch.Tensor
     return packing.cu_q, packing.cu_k, q.shape[0]
 
 
+def rule_args(q: torch.Tensor, params: AttentionParams, rules) -> tuple[dict, dict]:
+    """(ALIBI / SINKS / softcap2 kernel arguments, their constexpr switches) for the score rules the
+    kernels serve: softcap, ALiBi slopes (B, Hq) and sinks (Hq,); placeholders where off."""
+    alibi = None if rules is None else rules.alibi_slopes
+    sinks = None if rules is None else rules.sinks
+    softcap = getattr(params, "softcap", 0.0)
+    args = dict(ALIBI=q if alibi is None else alibi, alibi_strides=(0, 0) if alibi is None else alibi.stride(),
+                softcap2=softcap * LOG2E)
+    flags = dict(HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None)
+    return dict(args, SINKS=q if sinks is None else sinks), dict(flags, HAS_SINKS=sinks is not None)
+
+
 def row_stats(q: torch.Tensor, packing: Packing | None) -> torch.Tensor:
     """An empty float32 per-row buffer: (B, Hq, Nq), or (Hq, total_q) packed."""
     shape = q.shape[:3] if packing is None else (q.shape[1], q.shape[0])
     return torch.empty(shape, dtype=torch.float32, device=q.device)
 
 
-def triton_forward(q, k, v, mask, params: AttentionParams, packing: Packing | None = None):
+def triton_forward(q, k, v, mask, params: AttentionParams, packing: Packing | None = None, rules=None):
     """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32, natural log.
 
-    packing: q, k, v are token-major (total, H, d); out is (total_q, Hq, Dv), lse (Hq, total_q)."""
+    packing: q, k, v are token-major (total, H, d); out is (total_q, Hq, Dv), lse (Hq, total_q).
+    rules: a `ScoreRules` whose softcap / ALiBi / sinks the kernels apply (None: none)."""
     with on_device(q):
-        return launch_forward(q, k, v, mask, params, packing)
+        return launch_forward(q, k, v, mask, params, packing, rules)
 
 
-def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | None = None):
+def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | None = None, rules=None):
     batch, heads_q, heads_k, len_q, len_k, dim, dim_v = problem_sizes(q, k, v, packing)
     out = torch.empty((*q.shape[:-1], dim_v), dtype=q.dtype, device=q.device)
     lse = row_stats(q, packing)
-    if out.numel() == 0 or len_k == 0:
+    rule_kernel_args, rule_flags = rule_args(q, params, rules)
+    if out.numel() == 0 or (len_k == 0 and not rule_flags["HAS_SINKS"]):
         return out.zero_(), lse.fill_(float("-inf"))
     cfg = config_for("forward", q, v, mask, params)
     mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
@@ -231,9 +245,10 @@ def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | No
     (q, q_strides), (k, k_strides), (v, v_strides), (out, o_strides) = (
         kernel_view(x, packing) for x in (q, k, v, out))
     attention_forward_kernel[grid_of(num_tiles, batch * heads_q)](
-        q, k, v, out, lse, mask_arg, *packing_args(q, packing)[:2], q_strides, k_strides, v_strides,
-        o_strides, mask_strides, heads_q, heads_q // heads_k, len_q, len_k, num_tiles,
-        packing_args(q, packing)[2], **scalar_args(params),
+        q, k, v, out, lse, mask_arg, *packing_args(q, packing)[:2], q_strides=q_strides, k_strides=k_strides,
+        v_strides=v_strides, o_strides=o_strides, mask_strides=mask_strides, heads_q=heads_q,
+        group=heads_q // heads_k, len_q=len_q, len_k=len_k, num_row_tiles=num_tiles,
+        lse_head_stride=packing_args(q, packing)[2], **rule_kernel_args, **rule_flags, **scalar_args(params),
         D=dim, DV=dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v), MASK_KIND=mask_kind,
         USE_TMA=can_use_tma(q, k, v), HEAVY_FIRST=heavy_first(params),
@@ -244,16 +259,17 @@ def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | No
 
 
 def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None,
-                    packing: Packing | None = None):
+                    packing: Packing | None = None, rules=None):
     """dq, dk, dv (in q, k, v's dtypes) for `triton_forward`, recomputing tiles from lse.
 
     accumulate_into: optional float32 (dq, dk, dv) of q, k, v's shapes, any strides:
     the gradients are added into them, tile by tile inside the kernels, and they are returned.
-    packing: as `triton_forward` (then lse is (Hq, total_q)).
+    packing, rules: as `triton_forward` (then lse is (Hq, total_q)); the sinks' gradient is the caller's
+    (`exattn.masks.sinks_grad`).
     """
     accumulate_into = check_accumulators(accumulate_into, q, k, v)
     with on_device(q):
-        return launch_backward(dout, q, k, v, mask, out, lse, params, accumulate_into, packing)
+        return launch_backward(dout, q, k, v, mask, out, lse, params, accumulate_into, packing, rules)
 
 
 def row_deltas(out: torch.Tensor, dout: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
@@ -272,7 +288,7 @@ def row_deltas(out: torch.Tensor, dout: torch.Tensor, packing: Packing | None = 
 
 
 def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None,
-                    packing: Packing | None = None):
+                    packing: Packing | None = None, rules=None):
     batch, heads_q, heads_k, len_q, len_k, dim, dim_v = problem_sizes(q, k, v, packing)
     accumulate = accumulate_into is not None
     if 0 in (batch, heads_q, len_q, len_k) or q.numel() == 0 or k.numel() == 0:
@@ -280,6 +296,9 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     lse = lse.to(torch.float32).contiguous()
     delta = row_deltas(out, dout, packing)
     cu_q, cu_k, stats_stride = packing_args(q, packing)
+    rule_kernel_args, rule_flags = rule_args(q, params, rules)
+    rule_kernel_args.pop("SINKS")
+    rule_flags.pop("HAS_SINKS")  # the sink reaches the backward through lse
     mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
     flags = kernel_flags(q, params)
     scalars = dict(scalar_args(params), scale=params.scale)
@@ -299,8 +318,9 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     col_tiles = ceil_div(len_k, cfg.block_n)
     strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dk, dv, dq_acc)]
     attention_dkdv_kernel[grid_of(col_tiles, batch * heads_k)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg, cu_q, cu_k, *strides, mask_strides,
-        heads_q, group, len_q, len_k, col_tiles, stats_stride, **scalars,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], *strides,
+        mask_strides, rule_kernel_args["alibi_strides"], heads_q, group, len_q, len_k, col_tiles, stats_stride,
+        rule_kernel_args["softcap2"], **scalars, **rule_flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
         ATOMIC_DQ=atomic, ACCUMULATE=accumulate, VARLEN=packing is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **dims, **flags,
@@ -314,8 +334,9 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     row_tiles = ceil_div(len_q, cfg.block_m)
     strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dq)]
     attention_dq_kernel[grid_of(row_tiles, batch * heads_q)](
-        q, k, v, dout, lse, delta, dq, mask_arg, cu_q, cu_k, *strides, mask_strides,
-        heads_q, group, len_q, len_k, row_tiles, stats_stride, **scalars,
+        q, k, v, dout, lse, delta, dq, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], *strides, mask_strides,
+        rule_kernel_args["alibi_strides"], heads_q, group, len_q, len_k, row_tiles, stats_stride,
+        rule_kernel_args["softcap2"], **scalars, **rule_flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
         HEAVY_FIRST=heavy_first(params), ACCUMULATE=accumulate, VARLEN=packing is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dims, **flags,

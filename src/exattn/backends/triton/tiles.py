@@ -94,6 +94,49 @@ def band_allows(rows, cols, len_q, len_k, left, right, HAS_LEFT: tl.constexpr, H
 
 
 @triton.jit
+def tanh(x):
+    """tanh from exp2 alone (the interpreter has no libdevice): its Taylor series to x^9 below |x| = 0.3
+    (relative error < 6e-8), else 1 - 2 / (e^{2x} + 1); +-1 at +-inf, NaN stays NaN."""
+    x2 = x * x
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    far = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return tl.where(tl.abs(x) < 0.3, series, far)
+
+
+@triton.jit
+def score_mods(s2, rows, cols, len_q, len_k, mods, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Base-2 scores after softcap, then ALiBi (the SPEC's order), and d(capped)/d(raw) = 1 - tanh^2
+    for the backward (1.0 without softcap). mods = (softcap * log2 e, slope * log2 e)."""
+    softcap2, slope2 = mods
+    dcap = 1.0
+    if HAS_SOFTCAP:
+        capped = tanh(s2 / softcap2)
+        dcap = 1.0 - capped * capped
+        s2 = softcap2 * capped
+    if HAS_ALIBI:
+        s2 = s2 - slope2 * tl.abs(rows + (len_k - len_q) - cols).to(tl.float32)
+    return s2, dcap
+
+
+@triton.jit
+def row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI: tl.constexpr):
+    """ALiBi's slope of (b, h) times log2 e (0.0 without ALiBi)."""
+    if HAS_ALIBI:
+        return tl.load(ALIBI + b * alibi_strides[0] + h * alibi_strides[1]).to(tl.float32) * LOG2E
+    else:
+        return 0.0
+
+
+@triton.jit
+def add_sink(acc, m2, l, sink2):
+    """Fold the virtual sink key (logit sink2 in base 2, value 0) into a running summary, as
+    `exattn.algebra.merge` with the summary (sink2, 1, 0): a row with no allowed key ends at (sink2, 1, 0)."""
+    m_new = tl.maximum(m2, sink2)
+    alpha = tl.math.exp2(m2 - m_new)
+    return acc * alpha[:, None], m_new, l * alpha + tl.math.exp2(sink2 - m_new)
+
+
+@triton.jit
 def masked_scores(
     s2, rows, cols, len_q, len_k, left, right, mask_base, mask_strides,
     CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
