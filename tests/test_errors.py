@@ -76,3 +76,63 @@ def test_dropout_mask_arguments():
         exattn.dropout_mask(1, (2, 3), 0.1)
     with pytest.raises(TypeError, match="seed must be an int"):
         exattn.dropout_mask(None, (1, 1, 2, 2), 0.1)
+
+
+def ids(*shape, dtype=torch.int32):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+# qkv(): B = 1, Hq = 2, Nq = 4, Nk = 6
+RULE_CASES = [
+    ("segment ids int64", {"segment_ids": (ids(1, 4, dtype=torch.int64), ids(1, 6))}, TypeError,
+     "segment_ids (q ids) must be torch.int32"),
+    ("segment ids float", {"segment_ids": (ids(1, 4), ids(1, 6, dtype=torch.float32))}, TypeError,
+     "segment_ids (k ids) must be torch.int32"),
+    ("segment ids wrong batch", {"segment_ids": (ids(2, 4), ids(2, 6))}, ValueError,
+     "segment ids of the wrong batch"),
+    ("segment ids wrong length", {"segment_ids": (ids(1, 4), ids(1, 5))}, ValueError,
+     "segment_ids (k ids) must have shape (B, Nk) = (1, 6), got (1, 5)"),
+    ("one segment ids tensor, Nq != Nk", {"segment_ids": ids(1, 4)}, ValueError, "needs Nq == Nk"),
+    ("segment ids a list of one", {"segment_ids": [[0, 0, 0, 0]]}, ValueError, "pair (q_ids, k_ids)"),
+    ("segment ids a string", {"segment_ids": "ids"}, TypeError, "segment_ids must be an int32 tensor"),
+    ("prefix negative", {"prefix": -1}, ValueError, "prefix must be >= 0"),
+    ("prefix float", {"prefix": 2.0}, TypeError, "prefix must be a torch.Tensor"),
+    ("prefix int64", {"prefix": ids(1, dtype=torch.int64)}, TypeError, "prefix must be torch.int32"),
+    ("prefix wrong batch", {"prefix": ids(3)}, ValueError, "prefix must have shape (B,) = (1,), got (3,)"),
+    ("softcap negative", {"softcap": -1.0}, ValueError, "softcap must be a finite float > 0, or 0"),
+    ("softcap not a number", {"softcap": "2"}, TypeError, "softcap must be a float"),
+    ("alibi wrong heads", {"alibi_slopes": torch.ones(3)}, ValueError, "alibi_slopes must have shape (Hq,) or (B, Hq)"),
+    ("alibi float64 with float32 q", {"alibi_slopes": torch.ones(2, dtype=torch.float64)}, TypeError,
+     "alibi_slopes must be torch.float32"),
+    ("alibi requires grad", {"alibi_slopes": torch.ones(2, requires_grad=True)}, ValueError,
+     "alibi_slopes requires grad"),
+    ("sinks wrong length", {"sinks": torch.zeros(3)}, ValueError, "sinks must have shape (Hq,) = (2,), got (3,)"),
+    ("sinks half", {"sinks": torch.zeros(2, dtype=torch.float16)}, TypeError, "sinks must be torch.float32"),
+    ("sinks not a tensor", {"sinks": [0.0, 0.0]}, TypeError, "sinks must be a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=[c[0] for c in RULE_CASES])
+def test_bad_score_rules_are_refused_clearly(case):
+    _, kwargs, error, message = case
+    q, k, v = qkv()
+    with pytest.raises(error) as info:
+        exattn.attention(q, k, v, **kwargs)
+    assert message in str(info.value)
+
+
+def test_bad_score_rules_on_another_device_are_refused():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="sinks is on meta but q is on cpu"):
+        exattn.attention(q, k, v, sinks=torch.zeros(2, device="meta"))
+
+
+def test_varlen_score_rules_are_checked_against_the_packed_batch():
+    q, k, v = (torch.randn(7, 2, 8) for _ in range(3))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"prefix must have shape \(B,\) = \(2,\)"):
+        exattn.attention_varlen(q, k, v, cu, cu, 4, 4, prefix=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        exattn.attention_varlen(q, k, v, cu, cu, 4, 4, alibi_slopes=torch.ones(3, 2))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'segment_ids'"):
+        exattn.attention_varlen(q, k, v, cu, cu, 4, 4, segment_ids=torch.zeros(2, 4, dtype=torch.int32))

@@ -10,10 +10,10 @@ from .backends import BackendChoice, choose_backend, get_backend
 from .problem import AttentionProblem, make_problem
 
 
-def problem_from_args(q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n):
+def problem_from_args(q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n, **rules):
     return make_problem(
         q, k, v, causal=causal, window=window, mask=mask, scale=scale,
-        dropout_p=dropout_p, seed=seed, block_m=block_m, block_n=block_n,
+        dropout_p=dropout_p, seed=seed, block_m=block_m, block_n=block_n, **rules,
     )
 
 
@@ -24,6 +24,9 @@ def attention(
     scale: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
     return_lse: Literal[False] = ..., backend: str = ...,
     block_m: int | None = ..., block_n: int | None = ...,
+    segment_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = ...,
+    prefix: int | torch.Tensor | None = ..., softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -34,12 +37,16 @@ def attention(
     scale: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
     return_lse: Literal[True], backend: str = ...,
     block_m: int | None = ..., block_n: int | None = ...,
+    segment_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = ...,
+    prefix: int | torch.Tensor | None = ..., softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention(
     q, k, v, *, causal=False, window=None, mask=None, scale=None, dropout_p=0.0,
     seed=None, return_lse=False, backend="auto", block_m=None, block_n=None,
+    segment_ids=None, prefix=None, softcap=0.0, alibi_slopes=None, sinks=None,
 ):
     """Exact softmax attention without an N x N matrix (except `backend="naive"`).
 
@@ -58,11 +65,28 @@ def attention(
             for rows with no allowed key (whose output is 0).
         backend: "auto", "triton", "tiled" or "naive" (see `explain_backend`).
         block_m, block_n: query and key tile sizes; None lets the backend choose.
+        segment_ids: int32 (B, N) when Nq == Nk, or a pair (q_ids (B, Nq), k_ids (B, Nk)):
+            query i may attend key j only if their ids are equal (packed documents).
+        prefix: int or int32 (B,): keys j < prefix[b] are allowed whatever causal and
+            window say (segment ids and a bool mask still apply).
+        softcap: float > 0, or 0 for off: the score becomes softcap * tanh(score / softcap),
+            before ALiBi and the additive mask.
+        alibi_slopes: float32 (Hq,) or (B, Hq): adds -slope * |i + Nk - Nq - j|. No
+            gradient (a slopes tensor that requires grad is refused).
+        sinks: float32 (Hq,), differentiable: a virtual key with logit sinks[h] and value 0
+            joins every row's softmax; lse includes it, and a row with no allowed key
+            gives zeros and lse = sinks[h].
+        (float64 slopes and sinks are accepted with float64 q.) Rule order: scale * q.k,
+        softcap, + ALiBi, + additive mask, then allowed iff (causal/window or j < prefix)
+        and equal segment ids and the bool mask; softmax with the sink; dropout.
 
     Returns:
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
     """
-    problem = problem_from_args(q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n)
+    problem = problem_from_args(
+        q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n, segment_ids=segment_ids,
+        prefix=prefix, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+    )
     out, lse = run_problem(problem, backend)
     if not return_lse:
         return out
@@ -78,7 +102,11 @@ def run_problem(problem: AttentionProblem, backend: str = "auto"):
 def explain_backend(
     q, k, v, *, causal=False, window=None, mask=None, scale=None, dropout_p=0.0,
     seed=None, backend="auto", block_m=None, block_n=None,
+    segment_ids=None, prefix=None, softcap=0.0, alibi_slopes=None, sinks=None,
 ) -> BackendChoice:
     """Which backend `attention` would run for these arguments, and why the others were passed over."""
-    problem = problem_from_args(q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n)
+    problem = problem_from_args(
+        q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n, segment_ids=segment_ids,
+        prefix=prefix, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+    )
     return choose_backend(problem, backend)

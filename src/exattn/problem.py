@@ -7,6 +7,7 @@ inputs here; backends receive a problem they can trust.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,7 @@ class AttentionParams:
     block_m: int | None = None
     block_n: int | None = None
     dropout_grid: tuple[int, int, int] | None = None
+    softcap: float = 0.0  # > 0: scores become softcap * tanh(score / softcap); 0: off
 
     @property
     def is_banded(self) -> bool:
@@ -52,12 +54,55 @@ class AttentionParams:
         return range(first, first + batch), rows, cols
 
 
+class ScoreRules(NamedTuple):
+    """The structured score rules of a problem, each O(B·H + B·N), each None when off.
+
+    q_segment_ids: int32 (B, Nq) and k_segment_ids: int32 (B, Nk), both or neither
+        (the same tensor when one (B, N) tensor was given): query i may attend key j
+        only if q_segment_ids[b, i] == k_segment_ids[b, j].
+    prefix: int32 (B,): keys j < prefix[b] are allowed whatever causal/window say.
+    alibi_slopes: float32 (B, Hq) (a (Hq,) argument expanded, a view; stride 0 over B):
+        adds -slope[b, h] * |i + Nk - Nq - j| to the score. No gradient.
+    sinks: float32 (Hq,): a virtual key with logit sinks[h] and a zero value joins every
+        row's softmax. The only differentiable rule (RecomputingAttention and the tiled
+        custom ops pass it as an input of its own).
+    (Slopes and sinks may be float64 when q is float64.) Values are never read at
+    validation; the tiled backend reads max(prefix) and per-block segment-id ranges.
+
+    Softcap is a float and lives in `AttentionParams.softcap`. The rule order is
+    `exattn.masks.apply_score_rules`'s.
+    """
+
+    q_segment_ids: torch.Tensor | None = None
+    k_segment_ids: torch.Tensor | None = None
+    prefix: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+
+    def in_use(self) -> list[str]:
+        """The public names of the rules that are on, for messages ("segment_ids", ...)."""
+        names = []
+        if self.q_segment_ids is not None:
+            names.append("segment_ids")
+        names += [name for name in ("prefix", "alibi_slopes", "sinks") if getattr(self, name) is not None]
+        return names
+
+    def for_batch(self, b: int) -> ScoreRules:
+        """The rules of batch entry b as a batch of one (packed sequences run one at a time)."""
+        def row(x):
+            return None if x is None else x[b:b + 1]
+
+        return ScoreRules(row(self.q_segment_ids), row(self.k_segment_ids), row(self.prefix),
+                          row(self.alibi_slopes), self.sinks)
+
+
 @dataclass(frozen=True)
 class AttentionProblem:
     """Validated attention inputs.
 
     q: (B, Hq, Nq, D); k: (B, Hk, Nk, D); v: (B, Hk, Nk, Dv).
     `mask` is None, or a bool / floating view broadcast to (B, Hq, Nq, Nk).
+    `rules` is None (no segment ids, prefix, ALiBi or sinks) or a `ScoreRules`.
     """
 
     q: torch.Tensor
@@ -65,6 +110,7 @@ class AttentionProblem:
     v: torch.Tensor
     mask: torch.Tensor | None
     params: AttentionParams
+    rules: ScoreRules | None = None
 
     @property
     def batch(self) -> int:
@@ -253,9 +299,95 @@ def check_block(name: str, value: object) -> int | None:
     return value
 
 
+def check_softcap(softcap: object) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (> 0, or 0 for off), got {type(softcap).__name__}")
+    if not softcap >= 0 or softcap == float("inf"):
+        raise ValueError(f"softcap must be a finite float > 0, or 0 for off, got {softcap}")
+    return float(softcap)
+
+
+def check_rule_tensor(name: str, x: object, dtypes: tuple[torch.dtype, ...], shapes: list[tuple[int, ...]],
+                      device: torch.device, layout: str) -> torch.Tensor:
+    """A rule tensor of one of `dtypes` (the first is the contract's), one of `shapes`, on `device`."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)} {layout}, got {x.dtype}")
+    if tuple(x.shape) not in shapes:
+        expected = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name} must have shape {layout} = {expected}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}; it must be on q's device")
+    return x
+
+
+def check_segment_ids(segment_ids: object, batch: int, len_q: int, len_k: int, device):
+    """(q_ids (B, Nq), k_ids (B, Nk)) int32, from a pair or one (B, N) tensor when Nq == Nk."""
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError(f"segment_ids must be one (B, N) tensor or a pair (q_ids, k_ids), "
+                             f"got a sequence of {len(segment_ids)}")
+        pair = segment_ids
+    elif isinstance(segment_ids, torch.Tensor):
+        if len_q != len_k:
+            raise ValueError(f"segment_ids as one tensor needs Nq == Nk, got Nq = {len_q}, Nk = {len_k}; "
+                             "pass a pair (q_ids (B, Nq), k_ids (B, Nk))")
+        pair = (segment_ids, segment_ids)
+    else:
+        raise TypeError(f"segment_ids must be an int32 tensor (B, N) or a pair of them, "
+                        f"got {type(segment_ids).__name__}")
+    checked = []
+    for side, ids, length in (("q", pair[0], len_q), ("k", pair[1], len_k)):
+        name = f"segment_ids ({side} ids)"
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] != batch:
+            raise ValueError(f"{name}: segment ids of the wrong batch: {ids.shape[0]} rows, "
+                             f"but the batch B is {batch}")
+        checked.append(check_rule_tensor(name, ids, (torch.int32,), [(batch, length)], device,
+                                         f"(B, N{side})"))
+    return tuple(checked)
+
+
+def check_score_rules(
+    *, batch: int, heads_q: int, len_q: int, len_k: int, device, dtype: torch.dtype,
+    segment_ids=None, prefix=None, alibi_slopes=None, sinks=None,
+) -> ScoreRules | None:
+    """The rule tensors, checked and normalized (prefix an int32 (B,) tensor, slopes (B, Hq));
+    None when every rule is off. Values are not read (no device sync).
+
+    Segment ids and a prefix tensor must be int32 (int64 is refused, not converted).
+    Slopes and sinks are float32; with float64 q (`dtype`) float64 is accepted too, so the
+    float64 path (and gradcheck of sinks) runs in high precision throughout.
+    """
+    floats = (torch.float32, torch.float64) if dtype == torch.float64 else (torch.float32,)
+    q_ids = k_ids = None
+    if segment_ids is not None:
+        q_ids, k_ids = check_segment_ids(segment_ids, batch, len_q, len_k, device)
+    if prefix is not None:
+        if isinstance(prefix, bool):
+            raise TypeError("prefix must be an int or an int32 tensor (B,), got bool")
+        if isinstance(prefix, int):
+            if prefix < 0:
+                raise ValueError(f"prefix must be >= 0, got {prefix}")
+            prefix = torch.full((batch,), min(prefix, 2**31 - 1), dtype=torch.int32, device=device)
+        else:
+            prefix = check_rule_tensor("prefix", prefix, (torch.int32,), [(batch,)], device, "(B,)")
+    if alibi_slopes is not None:
+        alibi_slopes = check_rule_tensor("alibi_slopes", alibi_slopes, floats,
+                                         [(heads_q,), (batch, heads_q)], device, "(Hq,) or (B, Hq)")
+        if alibi_slopes.requires_grad:
+            raise ValueError("alibi_slopes requires grad, but slopes get no gradient (as in "
+                             "FlashAttention); pass alibi_slopes.detach()")
+        alibi_slopes = alibi_slopes.expand(batch, heads_q)
+    if sinks is not None:
+        sinks = check_rule_tensor("sinks", sinks, floats, [(heads_q,)], device, "(Hq,)")
+    rules = ScoreRules(q_ids, k_ids, prefix, alibi_slopes, sinks)
+    return rules if rules.in_use() else None
+
+
 def make_params(
     head_dim: int, *, causal=False, window=None, scale=None, dropout_p=0.0, seed=None,
-    block_m=None, block_n=None, dropout_grid: tuple[int, int, int] | None = None,
+    block_m=None, block_n=None, dropout_grid: tuple[int, int, int] | None = None, softcap=0.0,
 ) -> AttentionParams:
     """The checked non-tensor arguments: causal folded into the window, scale defaulted to
     head_dim ** -0.5, a seed drawn when dropout_p > 0 and none is given."""
@@ -269,16 +401,22 @@ def make_params(
         block_m=check_block("block_m", block_m),
         block_n=check_block("block_n", block_n),
         dropout_grid=dropout_grid,
+        softcap=check_softcap(softcap),
     )
 
 
 def make_problem(
     q, k, v, *, causal=False, window=None, mask=None, scale=None,
     dropout_p=0.0, seed=None, block_m=None, block_n=None,
+    segment_ids=None, prefix=None, softcap=0.0, alibi_slopes=None, sinks=None,
 ) -> AttentionProblem:
     check_qkv(q, k, v)
     params = make_params(
         q.shape[3], causal=causal, window=window, scale=scale, dropout_p=dropout_p, seed=seed,
-        block_m=block_m, block_n=block_n,
+        block_m=block_m, block_n=block_n, softcap=softcap,
     )
-    return AttentionProblem(q=q, k=k, v=v, mask=check_mask(mask, q, k), params=params)
+    rules = check_score_rules(
+        batch=q.shape[0], heads_q=q.shape[1], len_q=q.shape[2], len_k=k.shape[2], device=q.device,
+        dtype=q.dtype, segment_ids=segment_ids, prefix=prefix, alibi_slopes=alibi_slopes, sinks=sinks,
+    )
+    return AttentionProblem(q=q, k=k, v=v, mask=check_mask(mask, q, k), params=params, rules=rules)

@@ -38,12 +38,16 @@ from typing import Literal, NamedTuple, overload
 import torch
 
 from .backends import AUTO_PRIORITY, BackendChoice, check_backend_name
+from .backends.autograd import row_delta
 from .backends.naive import NaiveBackend
 from .backends.tiled import tiled_backward, tiled_forward
+from .masks import sinks_grad
 from .problem import (
     AttentionParams,
     AttentionProblem,
+    ScoreRules,
     check_qkv,
+    check_score_rules,
     check_tensor,
     compute_dtype,
     make_params,
@@ -62,7 +66,8 @@ class VarlenProblem:
     `window`; `dropout_grid` None: each pass places sequence b on the padded
     (B, Hq, max_seqlen_q, max_seqlen_k) grid itself). `validated`: whether the
     offsets' values were checked (`validate=True`); if not, bad offsets are
-    undefined behaviour.
+    undefined behaviour. `rules`: None, or the `ScoreRules` (prefix (B,), ALiBi slopes
+    (B, Hq), sinks (Hq,); no segment ids) that sequence b reads at row b.
     """
 
     q: torch.Tensor
@@ -74,6 +79,7 @@ class VarlenProblem:
     max_seqlen_k: int
     params: AttentionParams
     validated: bool
+    rules: ScoreRules | None = None
 
     @property
     def batch(self) -> int:
@@ -171,6 +177,7 @@ def check_offset_values(name: str, offsets: list[int], total: int, total_name: s
 def make_varlen_problem(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, window=None,
     scale=None, dropout_p=0.0, seed=None, block_m=None, block_n=None, validate=True,
+    prefix=None, softcap=0.0, alibi_slopes=None, sinks=None,
 ) -> VarlenProblem:
     """Check every argument of `attention_varlen` (the offsets' values only if `validate`)."""
     q, k, v = (check_tensor(name, x, 3, PACKED_LAYOUT) for name, x in (("q", q), ("k", k), ("v", v)))
@@ -197,9 +204,13 @@ def make_varlen_problem(
         check_offset_values("cu_seqlens_k", offsets_to_host(cu_k), k.shape[0], "total_k", max_k, "max_seqlen_k")
     params = make_params(
         q.shape[2], causal=causal, window=window, scale=scale, dropout_p=dropout_p, seed=seed,
-        block_m=block_m, block_n=block_n,
+        block_m=block_m, block_n=block_n, softcap=softcap,
     )
-    return VarlenProblem(q, k, v, cu_q, cu_k, max_q, max_k, params, validate)
+    rules = check_score_rules(
+        batch=batch, heads_q=q.shape[1], len_q=max_q, len_k=max_k, device=q.device, dtype=q.dtype,
+        prefix=prefix, alibi_slopes=alibi_slopes, sinks=sinks,
+    )
+    return VarlenProblem(q, k, v, cu_q, cu_k, max_q, max_k, params, validate, rules)
 
 
 # ---------------------------------------------------------------- per-sequence views
@@ -230,21 +241,35 @@ def sequence_params(params: AttentionParams, b: int, max_q: int, max_k: int) -> 
 # ---------------------------------------------------------------- the tiled passes
 
 
-def tiled_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: AttentionParams):
+def sequence_rules(rules: ScoreRules | None, b: int) -> ScoreRules | None:
+    """Sequence b's rules: row b of the prefix and the slopes, the shared sinks."""
+    return None if rules is None else rules.for_batch(b)
+
+
+def empty_lse(rules: ScoreRules | None, heads_q: int, total_q: int, dtype, device) -> torch.Tensor:
+    """(Hq, total_q) lse of rows with no allowed key: -inf, or sinks[h] with sinks."""
+    if rules is None or rules.sinks is None:
+        return torch.full((heads_q, total_q), float("-inf"), dtype=dtype, device=device)
+    return rules.sinks.detach().to(dtype)[:, None].expand(heads_q, total_q).clone()
+
+
+def tiled_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: AttentionParams,
+                         rules: ScoreRules | None = None):
     """out (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) in the compute dtype."""
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=compute_dtype(q.dtype), device=q.device)
+    lse = empty_lse(rules, q.shape[1], q.shape[0], compute_dtype(q.dtype), q.device)
     for b, rows_q, rows_k in sequences(cu_q, cu_k):
         out_b, lse_b = tiled_forward(
             sequence_view(q, rows_q), sequence_view(k, rows_k), sequence_view(v, rows_k), None,
-            sequence_params(params, b, max_q, max_k),
+            sequence_params(params, b, max_q, max_k), sequence_rules(rules, b),
         )
         sequence_view(out, rows_q).copy_(out_b)
         lse[:, rows_q] = lse_b[0]
     return out, lse
 
 
-def tiled_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out, lse, params: AttentionParams):
+def tiled_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out, lse, params: AttentionParams,
+                          rules: ScoreRules | None = None):
     """dq, dk, dv in the dtypes of q, k, v, recomputed per sequence from the saved lse."""
     dtype = compute_dtype(q.dtype)
     grads = tuple(torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
@@ -255,6 +280,7 @@ def tiled_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out
             sequence_view(v, rows_k), None, sequence_view(out, rows_q), lse[:, rows_q].unsqueeze(0),
             sequence_params(params, b, max_q, max_k),
             accumulate_into=(sequence_view(dq, rows_q), sequence_view(dk, rows_k), sequence_view(dv, rows_k)),
+            rules=sequence_rules(rules, b),
         )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -262,8 +288,10 @@ def tiled_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out
 class VarlenPasses(NamedTuple):
     """A varlen backend's raw passes (no autograd), the hook's interface:
 
-        forward(q, k, v, cu_q, cu_k, max_q, max_k, params) -> (out, lse)
-        backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, out, lse, params) -> (dq, dk, dv)
+        forward(q, k, v, cu_q, cu_k, max_q, max_k, params[, rules]) -> (out, lse)
+        backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, out, lse, params[, rules=rules]) -> (dq, dk, dv)
+
+    (`rules` is passed only when the problem has score rules: the tiled passes take it.)
 
     out (total_q, Hq, Dv) in q's dtype; lse (Hq, total_q), natural log, float32 (the
     tiled pass: the compute dtype), -inf for rows with no allowed key; dq, dk, dv in the
@@ -278,21 +306,32 @@ TILED_PASSES = VarlenPasses(tiled_varlen_forward, tiled_varlen_backward)
 
 
 class VarlenAttention(torch.autograd.Function):
-    """Saves q, k, v, out, lse and the offsets (no N x N tensor); no gradient into the offsets."""
+    """Saves q, k, v, out, lse and the offsets (no N x N tensor); no gradient into the offsets.
+    `sinks` is `rules.sinks` again, an input of its own so that it gets its gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, params, passes):
-        out, lse = passes.forward(q, k, v, cu_q, cu_k, max_q, max_k, params)
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, params, passes, rules=None, sinks=None):
+        extra = {} if rules is None else {"rules": rules}
+        out, lse = passes.forward(q, k, v, cu_q, cu_k, max_q, max_k, params, **extra)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.max_q, ctx.max_k, ctx.params, ctx.passes = max_q, max_k, params, passes
+        ctx.max_q, ctx.max_k, ctx.params, ctx.passes, ctx.rules = max_q, max_k, params, passes, rules
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = ctx.passes.backward(dout, q, k, v, cu_q, cu_k, ctx.max_q, ctx.max_k, out, lse, ctx.params)
-        return dq, dk, dv, None, None, None, None, None, None
+        rules = ctx.rules
+        extra = {} if rules is None else {"rules": rules}
+        dq, dk, dv = ctx.passes.backward(dout, q, k, v, cu_q, cu_k, ctx.max_q, ctx.max_k, out, lse, ctx.params,
+                                         **extra)
+        if rules is None:
+            return dq, dk, dv, None, None, None, None, None, None
+        dsinks = None
+        if rules.sinks is not None and ctx.needs_input_grad[10]:
+            # lse (Hq, total_q), delta (total_q, Hq) -> (Hq, total_q)
+            dsinks = sinks_grad(rules.sinks, lse, row_delta(dout, out, lse.dtype).transpose(0, 1), head_dim=0)
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
 
 
 # ---------------------------------------------------------------- naive
@@ -302,11 +341,11 @@ def naive_varlen(problem: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence, the naive backend (textbook formula, input dtype); plain autograd."""
     q, k, v, params = problem.q, problem.k, problem.v, problem.params
     out = q.new_zeros(problem.total_q, problem.heads_q, problem.value_dim)
-    lse = torch.full((problem.heads_q, problem.total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = empty_lse(problem.rules, problem.heads_q, problem.total_q, torch.float32, q.device)
     for b, rows_q, rows_k in sequences(problem.cu_seqlens_q, problem.cu_seqlens_k):
         dense = AttentionProblem(
             sequence_view(q, rows_q), sequence_view(k, rows_k), sequence_view(v, rows_k), None,
-            sequence_params(params, b, problem.max_seqlen_q, problem.max_seqlen_k),
+            sequence_params(params, b, problem.max_seqlen_q, problem.max_seqlen_k), sequence_rules(problem.rules, b),
         )
         out_b, lse_b = NaiveBackend().run(dense)
         out[rows_q] = out_b[0].transpose(0, 1)
@@ -362,10 +401,11 @@ def run_varlen(problem: VarlenProblem, backend: str = "auto") -> tuple[torch.Ten
         from .backends.triton.varlen import triton_varlen_backward, triton_varlen_forward
 
         passes = VarlenPasses(triton_varlen_forward, triton_varlen_backward)
-    return VarlenAttention.apply(
-        problem.q, problem.k, problem.v, problem.cu_seqlens_q, problem.cu_seqlens_k,
-        problem.max_seqlen_q, problem.max_seqlen_k, problem.params, passes,
-    )
+    args = (problem.q, problem.k, problem.v, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            problem.max_seqlen_q, problem.max_seqlen_k, problem.params, passes)
+    if problem.rules is None:
+        return VarlenAttention.apply(*args)
+    return VarlenAttention.apply(*args, problem.rules, problem.rules.sinks)
 
 
 # ---------------------------------------------------------------- public entry points
@@ -378,6 +418,8 @@ def attention_varlen(
     window: tuple[int, int] | None = ..., scale: float | None = ..., dropout_p: float = ...,
     seed: int | None = ..., return_lse: Literal[False] = ..., backend: str = ...,
     block_m: int | None = ..., block_n: int | None = ..., validate: bool = ...,
+    prefix: int | torch.Tensor | None = ..., softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -388,13 +430,15 @@ def attention_varlen(
     window: tuple[int, int] | None = ..., scale: float | None = ..., dropout_p: float = ...,
     seed: int | None = ..., return_lse: Literal[True], backend: str = ...,
     block_m: int | None = ..., block_n: int | None = ..., validate: bool = ...,
+    prefix: int | torch.Tensor | None = ..., softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, window=None,
     scale=None, dropout_p=0.0, seed=None, return_lse=False, backend="auto", block_m=None,
-    block_n=None, validate=True,
+    block_n=None, validate=True, prefix=None, softcap=0.0, alibi_slopes=None, sinks=None,
 ):
     """Exact softmax attention over a packed batch of variable-length sequences.
 
@@ -422,6 +466,15 @@ def attention_varlen(
             those checks (CUDA graphs); offsets that break the rules are then undefined
             behaviour. The "tiled" and "naive" paths read the offsets to the host anyway
             (they loop over sequences there), so only the fused path can be graph-captured.
+        prefix: int or int32 (B,): local keys j < prefix[b] are allowed whatever causal and
+            window say.
+        softcap: float > 0, or 0 for off: score -> softcap * tanh(score / softcap).
+        alibi_slopes: float32 (Hq,) or (B, Hq): adds -slope * |i + Nk_b - Nq_b - j| (local
+            positions). No gradient.
+        sinks: float32 (Hq,), differentiable: a virtual key of logit sinks[h] and value 0 in
+            every row's softmax; lse includes it (rows with no key: zeros, lse = sinks[h]).
+        These follow `exattn.attention`'s rule order, per sequence; segment ids are not
+        taken here (the offsets already keep sequences apart).
 
     Returns:
         out (total_q, Hq, Dv) in q's dtype, or (out, lse) if return_lse. Differentiable
@@ -430,7 +483,8 @@ def attention_varlen(
     problem = make_varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         window=window, scale=scale, dropout_p=dropout_p, seed=seed, block_m=block_m,
-        block_n=block_n, validate=validate,
+        block_n=block_n, validate=validate, prefix=prefix, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     out, lse = run_varlen(problem, backend)
     if not return_lse:
@@ -441,11 +495,13 @@ def attention_varlen(
 def explain_varlen_backend(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, window=None,
     scale=None, dropout_p=0.0, seed=None, backend="auto", block_m=None, block_n=None, validate=True,
+    prefix=None, softcap=0.0, alibi_slopes=None, sinks=None,
 ) -> BackendChoice:
     """Which backend `attention_varlen` would run for these arguments, and why the others were passed over."""
     problem = make_varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         window=window, scale=scale, dropout_p=dropout_p, seed=seed, block_m=block_m,
-        block_n=block_n, validate=validate,
+        block_n=block_n, validate=validate, prefix=prefix, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     return choose_varlen_backend(problem, backend)

@@ -5,10 +5,13 @@ Each backend has `name`, `not_supported_reasons(problem) -> list[str]` and
 ("tiled", "triton") also expose the raw passes that ring attention and
 decoding reuse, with no autograd:
 
-    forward(q, k, v, mask, params) -> (out, lse)
-    backward(dout, q, k, v, mask, out, lse, params, accumulate_into=None) -> (dq, dk, dv)
+    forward(q, k, v, mask, params, rules=None) -> (out, lse)
+    backward(dout, q, k, v, mask, out, lse, params, accumulate_into=None, rules=None) -> (dq, dk, dv)
 
 (`accumulate_into=(dq, dk, dv)` in the compute dtype: add into those, return them.)
+`rules` is None or a `ScoreRules` (segment ids, prefix, ALiBi slopes, sinks; softcap is
+`params.softcap`); only "tiled" takes it so far, and callers pass it only when it is not
+None. The sinks' gradient is not a pass's: `masks.sinks_grad` computes it from lse.
 
 `mask` is None or broadcast to (B, Hq, Nq, Nk); `params` is an
 `AttentionParams`; lse is natural log, float32 (float64 for float64 inputs). `"auto"` walks `AUTO_PRIORITY` and takes the

@@ -4,24 +4,40 @@ from __future__ import annotations
 
 import torch
 
+from ..masks import sinks_grad
+
 
 class RecomputingAttention(torch.autograd.Function):
     """Saves q, k, v, out and lse (the dropout seed travels in params); no N x N tensor.
 
-    `passes` is a backend with `forward(q, k, v, mask, params) -> (out, lse)` and
-    `backward(dout, q, k, v, mask, out, lse, params) -> (dq, dk, dv)`.
+    `passes` is a backend with `forward(q, k, v, mask, params[, rules]) -> (out, lse)` and
+    `backward(dout, q, k, v, mask, out, lse, params[, rules=rules]) -> (dq, dk, dv)`;
+    `rules` (a `ScoreRules`) is passed only when it is not None, so backends without
+    score rules keep their signatures. `sinks` is `rules.sinks` again, as an input of its
+    own so that autograd gives it its gradient (`masks.sinks_grad`); the other rules get none.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, params, passes):
-        out, lse = passes.forward(q, k, v, mask, params)
+    def forward(ctx, q, k, v, mask, params, passes, rules=None, sinks=None):
+        extra = {} if rules is None else {"rules": rules}
+        out, lse = passes.forward(q, k, v, mask, params, **extra)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.params, ctx.passes = mask, params, passes
+        ctx.mask, ctx.params, ctx.passes, ctx.rules = mask, params, passes, rules
+        ctx.inputs = 6 if rules is None else 8
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.passes.backward(dout, q, k, v, ctx.mask, out, lse, ctx.params)
-        return dq, dk, dv, None, None, None
+        extra = {} if ctx.rules is None else {"rules": ctx.rules}
+        dq, dk, dv = ctx.passes.backward(dout, q, k, v, ctx.mask, out, lse, ctx.params, **extra)
+        grads = [dq, dk, dv] + [None] * (ctx.inputs - 3)
+        if ctx.rules is not None and ctx.rules.sinks is not None and ctx.needs_input_grad[7]:
+            grads[7] = sinks_grad(ctx.rules.sinks, lse, row_delta(dout, out, lse.dtype))
+        return tuple(grads)
+
+
+def row_delta(dout: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rowsum(dO * O) over the last dim, in `dtype`."""
+    return (dout.to(dtype) * out.to(dtype)).sum(-1)

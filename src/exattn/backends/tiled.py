@@ -10,6 +10,17 @@ merge of the tile's summary in one pass), then finalize. Backward: recompute eac
 
 Tiles are (B, Hk, G, rows, cols): the G query heads that share a K/V head are
 stacked, so K/V tiles are read once per group (GQA/MQA).
+
+Score rules (`ScoreRules`, `params.softcap`): each score tile goes through
+`masks.apply_score_rules` from O(N) inputs (the tile's slice of the segment ids,
+positions for ALiBi, the prefix). Tiles are skipped when the band and the prefix
+leave them empty (`masks.key_intervals`, `masks.query_range`) and when segment ids
+do: per block of `block_m` queries / `block_n` keys and per batch entry, the least
+and greatest id (computed once per call, O(B·N/block)); a tile is computed only if
+some batch entry's query and key id ranges overlap. Softcap's chain factor
+1 - tanh^2 multiplies dS. The sink is folded in at finalize as the summary
+(m = sinks[h], l = 1, u = 0), merged with `algebra.merge_`; its gradient comes from
+the lse alone (`masks.sinks_grad`), outside the tiles.
 """
 
 from __future__ import annotations
@@ -18,10 +29,10 @@ import math
 
 import torch
 
-from ..algebra import NEG_INF, BlockSummary, absorb_, exp_, finalize_
+from ..algebra import NEG_INF, BlockSummary, absorb_, exp_, finalize_, merge_
 from ..dropout import keep_tile
-from ..masks import apply_masks, band_bounds, band_rows
-from ..problem import AttentionParams, check_accumulators, compute_dtype
+from ..masks import apply_score_rules, key_intervals, query_range
+from ..problem import AttentionParams, ScoreRules, check_accumulators, compute_dtype
 
 # Elements of one score tile, summed over batch and heads, that the default
 # tile sizes aim for: large enough for efficient matmuls, small enough for cache.
@@ -60,16 +71,61 @@ def product_into(buffer: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: 
     return out
 
 
+def block_extrema(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each batch entry's least and greatest id per block of `block` positions: two CPU
+    tensors (B, ceil(N / block)). The last block is padded with the last id."""
+    batch, length = ids.shape
+    count = -(-length // block)
+    padded = ids.new_empty(batch, count * block)
+    padded[:, :length] = ids
+    padded[:, length:] = ids[:, -1:]
+    blocks = padded.view(batch, count, block)
+    return blocks.amin(2).cpu(), blocks.amax(2).cpu()
+
+
+class SegmentSkip:
+    """Which tiles segment ids leave empty, from per-block id ranges (O(B·N/block) memory).
+
+    A (query block, key block) pair may hold an allowed pair only if, for some batch entry,
+    the blocks' id ranges [min, max] overlap. With ids sorted along the sequence (packed
+    documents) this is exact: the computed tiles are the tiles that hold an allowed pair.
+    """
+
+    def __init__(self, rules: ScoreRules, block_m: int, block_n: int):
+        self.block_m, self.block_n = block_m, block_n
+        self.q_min, self.q_max = block_extrema(rules.q_segment_ids, block_m)
+        self.k_min, self.k_max = block_extrema(rules.k_segment_ids, block_n)
+
+    @staticmethod
+    def live(lo_min, lo_max, span: range, block: int, other_min, other_max) -> list[bool]:
+        """For every block of the other side: may it meet the blocks that `span` touches?"""
+        blocks = slice(span.start // block, (span.stop - 1) // block + 1)
+        least = lo_min[:, blocks].amin(1, keepdim=True)
+        greatest = lo_max[:, blocks].amax(1, keepdim=True)
+        return ((least <= other_max) & (other_min <= greatest)).any(0).tolist()
+
+    def live_key_blocks(self, rows: range) -> list[bool]:
+        return self.live(self.q_min, self.q_max, rows, self.block_m, self.k_min, self.k_max)
+
+    def live_query_blocks(self, cols: range) -> list[bool]:
+        return self.live(self.k_min, self.k_max, cols, self.block_n, self.q_min, self.q_max)
+
+
+def touches_live(live: list[bool] | None, span: range, block: int) -> bool:
+    return live is None or any(live[span.start // block:(span.stop - 1) // block + 1])
+
+
 class TileContext:
-    """What every tile of one problem needs: shapes, params, masks, dropout and buffers.
+    """What every tile of one problem needs: shapes, params, masks, score rules, dropout, buffers.
 
     A query tile is "stacked": the G query heads that share a K/V head are laid
     end to end, (B, Hk, G * rows, D), so each score tile is one batched matmul
     against an unexpanded K/V tile, and the reductions over G come for free.
     """
 
-    def __init__(self, q, k, mask, params: AttentionParams):
+    def __init__(self, q, k, mask, params: AttentionParams, rules: ScoreRules | None = None):
         self.params = params
+        self.rules = rules
         self.batch, self.heads_q, self.len_q, _ = q.shape
         self.heads_k, self.len_k = k.shape[1], k.shape[2]
         self.group = self.heads_q // self.heads_k
@@ -83,6 +139,46 @@ class TileContext:
         self.buffer = torch.empty(tile_elements, dtype=self.dtype, device=self.device)
         self.summary: BlockSummary | None = None
         self.spare: torch.Tensor | None = None
+        self.softcap_buffer: torch.Tensor | None = None
+        # Tile skipping by the prefix (its largest entry, read once) and by segment ids.
+        self.prefix = 0
+        self.segments: SegmentSkip | None = None
+        if rules is not None and self.batch > 0:
+            if rules.prefix is not None:
+                self.prefix = min(int(rules.prefix.max()), self.len_k)
+            if rules.q_segment_ids is not None and self.len_q > 0 and self.len_k > 0:
+                self.segments = SegmentSkip(rules, self.block_m, self.block_n)
+
+    def key_spans(self, rows: range):
+        """The key tiles of query tile `rows` that may hold an allowed pair."""
+        live = None if self.segments is None else self.segments.live_key_blocks(rows)
+        for lo, hi in key_intervals(rows, self.len_q, self.len_k, self.params.window, self.prefix):
+            for cols in spans(lo, hi, self.block_n):
+                if touches_live(live, cols, self.block_n):
+                    yield cols
+
+    def query_spans(self, cols: range):
+        """The query tiles that may hold an allowed pair with key tile `cols`."""
+        live = None if self.segments is None else self.segments.live_query_blocks(cols)
+        for rows in spans(*query_range(cols, self.len_q, self.len_k, self.params.window, self.prefix),
+                          self.block_m):
+            if touches_live(live, rows, self.block_m):
+                yield rows
+
+    def sink_summary(self, rows: range) -> BlockSummary:
+        """The sink as a block of one key: m = sinks[h], l = 1, u = 0, for stacked rows."""
+        sinks = self.rules.sinks.to(self.dtype).view(1, self.heads_k, self.group, 1)
+        m = sinks.expand(self.batch, -1, -1, len(rows)).reshape(self.batch, self.heads_k, -1)
+        one = torch.ones((), dtype=self.dtype, device=self.device)
+        return BlockSummary(m, one, torch.zeros_like(one))
+
+    def softcap_grad_tile(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """A tile of `shape` for softcap's 1 - tanh^2 (a third reused buffer); None without softcap."""
+        if self.params.softcap == 0:
+            return None
+        if self.softcap_buffer is None:
+            self.softcap_buffer = torch.empty_like(self.buffer)
+        return self.softcap_buffer[: math.prod(shape)].view(shape)
 
     def identity_summary(self, shape: tuple[int, ...], value_dim: int) -> BlockSummary:
         """The empty summary for stacked rows of `shape`, in buffers reused by every query tile."""
@@ -104,18 +200,21 @@ class TileContext:
         """(B, Hk, G * rows, ...) -> (B, Hk, G, rows, ...), a view."""
         return x.unflatten(2, (self.group, len(rows)))
 
-    def scores(self, q_tile: torch.Tensor, k_tile: torch.Tensor, rows: range, cols: range):
-        """Masked scores scale * q k^T, (B, Hk, G * rows, cols), in the shared buffer.
+    def scores(self, q_tile: torch.Tensor, k_tile: torch.Tensor, rows: range, cols: range,
+               softcap_grad: torch.Tensor | None = None):
+        """Scores scale * q k^T after every rule, (B, Hk, G * rows, cols), in the shared buffer.
 
         The scale is the GEMM's alpha, so forward and backward round scores alike.
+        softcap_grad: an optional tile of the same shape that receives 1 - tanh^2.
         """
         scores = product_into(self.buffer, q_tile, k_tile.transpose(-1, -2), self.params.scale)
         mask_tile = None
         if self.mask is not None:
             mask_tile = self.mask[..., rows.start:rows.stop, cols.start:cols.stop]
-        apply_masks(self.unstack(scores, rows), rows, cols, self.len_q, self.len_k,
-                    self.params.window, mask_tile)
-        return scores
+        grad_tile = None if softcap_grad is None else self.unstack(softcap_grad, rows)
+        ruled = apply_score_rules(self.unstack(scores, rows), rows, cols, self.len_q, self.len_k,
+                                  self.params.window, mask_tile, self.rules, self.params.softcap, grad_tile)
+        return ruled.reshape(scores.shape)
 
     def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b in a second buffer of a score tile's size, reused by every tile (the backward's dP)."""
@@ -138,9 +237,11 @@ class TileContext:
         return weights.view(self.batch, self.heads_k, self.group * len(rows), len(cols))
 
 
-def tiled_forward(q, k, v, mask, params: AttentionParams):
-    """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) in the compute dtype."""
-    ctx = TileContext(q, k, mask, params)
+def tiled_forward(q, k, v, mask, params: AttentionParams, rules: ScoreRules | None = None):
+    """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) in the compute dtype (the sink
+    included)."""
+    ctx = TileContext(q, k, mask, params, rules)
+    sinks = None if rules is None else rules.sinks
     q5 = grouped(q, ctx.heads_k)
     out = torch.empty(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=ctx.dtype, device=q.device)
@@ -148,11 +249,13 @@ def tiled_forward(q, k, v, mask, params: AttentionParams):
     for rows in spans(0, ctx.len_q, ctx.block_m):
         q_tile = ctx.stack(q5, rows)
         state = ctx.identity_summary(q_tile.shape[:-1], v.shape[3])
-        for cols in spans(*band_bounds(rows, ctx.len_q, ctx.len_k, params.window), ctx.block_n):
+        for cols in ctx.key_spans(rows):
             k_tile = k[:, :, cols.start:cols.stop].to(ctx.dtype)
             v_tile = v[:, :, cols.start:cols.stop].to(ctx.dtype)
             scores = ctx.scores(q_tile, k_tile, rows, cols)
             absorb_(state, scores, v_tile, ctx.dropout_weights(rows, cols))
+        if sinks is not None:
+            merge_(state, ctx.sink_summary(rows))
         out_tile, lse_tile = finalize_(state)
         out5[..., rows.start:rows.stop, :] = ctx.unstack(out_tile, rows)
         lse5[..., rows.start:rows.stop] = ctx.unstack(lse_tile, rows)
@@ -170,14 +273,16 @@ def add_matmul_(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
 
 
-def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
+def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None,
+                   rules: ScoreRules | None = None):
     """dq, dk, dv for `tiled_forward`, recomputing score tiles from the saved lse.
 
     accumulate_into: optional (dq, dk, dv) in the compute dtype, of q, k, v's shapes,
     any strides: the gradients are added into them, and they are returned.
+    The sinks' gradient is not here: it needs only lse, dout and out (`masks.sinks_grad`).
     """
     accumulate_into = check_accumulators(accumulate_into, q, k, v)
-    ctx = TileContext(q, k, mask, params)
+    ctx = TileContext(q, k, mask, params, rules)
     q5, do5 = grouped(q, ctx.heads_k), grouped(dout, ctx.heads_k)
     delta5 = grouped((dout.to(ctx.dtype) * out.to(ctx.dtype)).sum(-1, keepdim=True), ctx.heads_k)
     # A row with no allowed key has lse = -inf; +inf makes its P = exp(s - inf) = 0.
@@ -191,9 +296,10 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accum
     for cols in spans(0, ctx.len_k, ctx.block_n):
         c = slice(cols.start, cols.stop)
         k_tile, v_tile = k[:, :, c].to(ctx.dtype), v[:, :, c].to(ctx.dtype)
-        for rows in spans(*band_rows(cols, ctx.len_q, ctx.len_k, params.window), ctx.block_m):
+        for rows in ctx.query_spans(cols):
             q_tile, do_tile = ctx.stack(q5, rows), ctx.stack(do5, rows)
-            probs = ctx.scores(q_tile, k_tile, rows, cols)
+            softcap_grad = ctx.softcap_grad_tile((*q_tile.shape[:-1], len(cols)))
+            probs = ctx.scores(q_tile, k_tile, rows, cols, softcap_grad)
             exp_(probs.sub_(ctx.stack(lse5, rows)))
             weights = ctx.dropout_weights(rows, cols)
             dropped = probs if weights is None else probs * weights
@@ -202,6 +308,8 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accum
             if weights is not None:
                 dprobs.mul_(weights)
             dscores = probs.mul_(dprobs.sub_(ctx.stack(delta5, rows))).mul_(params.scale)
+            if softcap_grad is not None:
+                dscores.mul_(softcap_grad)
             add_matmul_(dq5[..., rows.start:rows.stop, :], dscores, k_tile)
             add_matmul_(dk[:, :, c], dscores.transpose(-1, -2), q_tile)
     if accumulate_into is not None:

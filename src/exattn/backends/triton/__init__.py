@@ -78,6 +78,11 @@ def problem_reasons(problem: AttentionProblem) -> list[str]:
     reasons += tile_problems(params.block_m, params.block_n)
     if problem.mask is not None and problem.mask.device != q.device:
         reasons.append(f"mask is on {problem.mask.device}, not {q.device}")
+    if params.softcap:
+        reasons.append("softcap is not in the Triton kernels yet")
+    rules = getattr(problem, "rules", None)
+    if rules is not None:
+        reasons += [f"{name} is not in the Triton kernels yet" for name in rules.in_use()]
     return reasons
 
 
