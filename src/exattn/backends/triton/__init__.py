@@ -38,6 +38,8 @@ GLUON_HEAD_DIMS = tuple(GLUON_FORWARD_MIN_LEN)
 GLUON_BACKWARD_HEAD_DIMS = tuple(GLUON_BACKWARD_MIN_LEN)
 GLUON_TRITON = (3, 6)
 MIN_CAPABILITY = (8, 0)
+# Score rules the kernels do not apply yet (softcap, ALiBi and sinks they do).
+KERNELS_LACK = ("segment_ids", "prefix")
 
 
 def triton_importable() -> bool:
@@ -78,12 +80,16 @@ def problem_reasons(problem: AttentionProblem) -> list[str]:
     reasons += tile_problems(params.block_m, params.block_n)
     if problem.mask is not None and problem.mask.device != q.device:
         reasons.append(f"mask is on {problem.mask.device}, not {q.device}")
-    if params.softcap:
-        reasons.append("softcap is not in the Triton kernels yet")
     rules = getattr(problem, "rules", None)
     if rules is not None:
-        reasons += [f"{name} is not in the Triton kernels yet" for name in rules.in_use()]
+        reasons += [f"{name} is not in the Triton kernels yet" for name in rules.in_use()
+                    if name in KERNELS_LACK]
     return reasons
+
+
+def gluon_serves_rules(params: AttentionParams, rules) -> bool:
+    """The Gluon kernels apply no score rule: softcap, ALiBi and sinks run the Triton kernels."""
+    return rules is None and not params.softcap
 
 
 def gluon_written_for_this_triton() -> bool:
@@ -105,25 +111,26 @@ def gluon_length_ok(min_len: dict[int, int], head_dim: int, len_q: int) -> bool:
     return head_dim in min_len and len_q >= min_len[head_dim]
 
 
-def triton_forward(q, k, v, mask, params: AttentionParams):
+def triton_forward(q, k, v, mask, params: AttentionParams, rules=None):
     """Raw forward pass: out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32 natural log.
 
     On Hopper at the head dims and lengths of GLUON_FORWARD_MIN_LEN the Gluon kernel
-    (`gluon_forward.py`) serves what it can; everything else runs the Triton forward kernel.
+    (`gluon_forward.py`) serves what it can; everything else, and every score rule
+    (softcap, ALiBi, sinks: `rules`), runs the Triton forward kernel.
     """
     from .passes import settings
     from .passes import triton_forward as run
 
     if (settings.use_gluon and q.is_cuda and gluon_length_ok(GLUON_FORWARD_MIN_LEN, q.shape[-1], q.shape[2])
-            and gluon_written_for_this_triton()):
+            and gluon_written_for_this_triton() and gluon_serves_rules(params, rules)):
         from .gluon_forward import gluon_supports, run_gluon_forward
 
         if not gluon_supports(q, k, v, mask, params):
             return run_gluon_forward(q, k, v, params)
-    return run(q, k, v, mask, params)
+    return run(q, k, v, mask, params, rules=rules)
 
 
-def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None):
+def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None, rules=None):
     """Raw backward pass: dq, dk, dv for `triton_forward`, or added into `accumulate_into`.
 
     On Hopper at the head dims and lengths of GLUON_BACKWARD_MIN_LEN the Gluon kernels
@@ -134,13 +141,13 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     from .passes import triton_backward as run
 
     if (settings.use_gluon and q.is_cuda and gluon_length_ok(GLUON_BACKWARD_MIN_LEN, q.shape[-1], q.shape[2])
-            and gluon_written_for_this_triton()):
+            and gluon_written_for_this_triton() and gluon_serves_rules(params, rules)):
         from . import gluon_backward as gb
 
         atomic = settings.atomic_dq and q.shape[-1] in gb.ATOMIC_CONFIGS
         if not gb.gluon_backward_supports(q, k, v, mask, params, dout, atomic):
             return gb.run_gluon_backward(dout, q, k, v, out, lse, params, accumulate_into, atomic)
-    return run(dout, q, k, v, mask, out, lse, params, accumulate_into)
+    return run(dout, q, k, v, mask, out, lse, params, accumulate_into, rules=rules)
 
 
 class TritonBackend:
@@ -163,9 +170,11 @@ class TritonBackend:
         reasons = self.not_supported_reasons(problem)
         if reasons:
             raise ValueError(f"backend 'triton' cannot serve these inputs: {'; '.join(reasons)}")
-        return RecomputingAttention.apply(
-            problem.q, problem.k, problem.v, problem.mask, problem.params, self
-        )
+        args = (problem.q, problem.k, problem.v, problem.mask, problem.params, self)
+        rules = problem.rules
+        if rules is None:
+            return RecomputingAttention.apply(*args)
+        return RecomputingAttention.apply(*args, rules, rules.sinks)
 
 
 def __getattr__(name: str):

@@ -208,7 +208,7 @@ def rule_args(q: torch.Tensor, params: AttentionParams, rules) -> tuple[dict, di
     kernels serve: softcap, ALiBi slopes (B, Hq) and sinks (Hq,); placeholders where off."""
     alibi = None if rules is None else rules.alibi_slopes
     sinks = None if rules is None else rules.sinks
-    softcap = getattr(params, "softcap", 0.0)
+    softcap = params.softcap
     args = dict(ALIBI=q if alibi is None else alibi, alibi_strides=(0, 0) if alibi is None else alibi.stride(),
                 softcap2=softcap * LOG2E)
     flags = dict(HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None)

@@ -13,12 +13,14 @@ from ...problem import AttentionParams
 from .passes import Packing, triton_backward, triton_forward
 
 
-def triton_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: AttentionParams):
-    """out (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) float32 natural log (-inf: no key)."""
-    return triton_forward(q, k, v, None, params, Packing(cu_q, cu_k, max_q, max_k))
+def triton_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: AttentionParams, rules=None):
+    """out (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) float32 natural log (-inf: no key).
+    rules: softcap, ALiBi slopes (B, Hq) of the sequences and sinks, as the dense kernels take them."""
+    return triton_forward(q, k, v, None, params, Packing(cu_q, cu_k, max_q, max_k), rules)
 
 
-def triton_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out, lse,
-                           params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def triton_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out, lse, params: AttentionParams,
+                           rules=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in the dtypes and token-major shapes of q, k, v."""
-    return triton_backward(dout, q, k, v, None, out, lse, params, packing=Packing(cu_q, cu_k, max_q, max_k))
+    return triton_backward(dout, q, k, v, None, out, lse, params, packing=Packing(cu_q, cu_k, max_q, max_k),
+                           rules=rules)

@@ -1,0 +1,107 @@
+"""softcap, ALiBi and sinks in the Triton kernels, against the float64 oracle by the shared error rule.
+
+On the CPU the kernels run in Triton's interpreter (fp32 and fp16: its dot mishandles bf16); the
+tests marked gpu run the compiled kernels in bf16 and fp16 at larger shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from error_rule import assert_matches_oracle
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import exattn
+from exattn.reference import attention_ref
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors reach Triton only in the interpreter")
+
+
+def inputs(b, hq, hk, nq, nk, d, dtype, device, logit_scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    rules = dict(alibi_slopes=(torch.rand(b, hq, generator=g) * 0.5).to(device),
+                 sinks=torch.randn(hq, generator=g).to(device))
+    return rand(b, hq, nq, d, scale=logit_scale), rand(b, hk, nk, d), rand(b, hk, nk, d), rules
+
+
+def with_grads(fn, q, k, v, sinks, dout):
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    sinks = None if sinks is None else sinks.detach().clone().requires_grad_(True)
+    out, lse = fn(q, k, v, sinks)
+    wrt = (q, k, v) if sinks is None else (q, k, v, sinks)
+    return (out.detach(), lse.detach(), *torch.autograd.grad(out, wrt, dout.to(out.dtype)))
+
+
+def check(q, k, v, *, sinks=None, dropout_p=0.0, seed=5, **kwargs):
+    """Triton against naive (same dtype) against the float64 oracle: out, lse, dq, dk, dv, d sinks."""
+    dout = torch.randn(*q.shape[:3], v.shape[3], device=q.device)
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    keep = exattn.dropout_mask(seed, shape, dropout_p, device=q.device) if dropout_p else None
+
+    def run(backend):
+        return lambda q, k, v, s: exattn.attention(q, k, v, sinks=s, return_lse=True, backend=backend,
+                                                   dropout_p=dropout_p, seed=seed, **kwargs)
+
+    def oracle(q, k, v, s):
+        return attention_ref(q.double(), k.double(), v.double(), sinks=None if s is None else s.double(),
+                             dropout_mask=keep, dropout_p=dropout_p or None, return_lse=True, **kwargs)
+
+    ours, naive, ref = (with_grads(fn, q, k, v, sinks, dout) for fn in (run("triton"), run("naive"), oracle))
+    names = ("out", "lse", "dq", "dk", "dv", "dsinks")
+    for name, x, y, r in zip(names, ours, naive, ref):
+        floor_dtype = torch.float32 if name in ("lse", "dsinks") else q.dtype
+        assert_matches_oracle(f"triton/{name}", x, y, r, floor_dtype)
+
+
+@needs_interpreter
+@settings(max_examples=12, deadline=None)
+@given(
+    shape=st.sampled_from([(1, 2, 2, 1, 37, 16), (2, 4, 2, 45, 29, 24), (1, 3, 1, 64, 64, 13)]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    causal=st.booleans(), window=st.sampled_from([None, (7, 3)]),
+    softcap=st.sampled_from([0.0, 2.0, 30.0]), alibi=st.booleans(), sink=st.booleans(),
+    dropout_p=st.sampled_from([0.0, 0.2]),
+)
+def test_rules_in_the_kernels(shape, dtype, causal, window, softcap, alibi, sink, dropout_p):
+    q, k, v, rules = inputs(*shape, dtype, "cpu", logit_scale=3.0)
+    check(q, k, v, sinks=rules["sinks"] if sink else None, causal=causal, window=window, softcap=softcap,
+          alibi_slopes=rules["alibi_slopes"] if alibi else None, dropout_p=dropout_p)
+
+
+@needs_interpreter
+def test_huge_logits_under_softcap_and_rows_that_see_only_the_sink():
+    q, k, v, rules = inputs(1, 2, 1, 40, 17, 16, torch.float32, "cpu", logit_scale=300.0)
+    check(q, k, v, sinks=rules["sinks"], causal=True, softcap=20.0, alibi_slopes=rules["alibi_slopes"])
+    out, lse = exattn.attention(q, k, v, causal=True, sinks=rules["sinks"], backend="triton", return_lse=True)
+    empty = slice(0, 40 - 17)  # causal with Nq > Nk: these rows see no key, only the sink
+    assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
+    torch.testing.assert_close(lse[0, :, empty], rules["sinks"][:, None].expand(2, 23))
+
+
+@needs_interpreter
+def test_triton_serves_these_rules_and_names_the_others():
+    q, k, v, rules = inputs(1, 2, 2, 8, 8, 16, torch.float32, "cpu")
+    assert exattn.explain_backend(q, k, v, softcap=5.0, sinks=rules["sinks"], backend="triton").name == "triton"
+    with pytest.raises(ValueError, match="segment_ids"):
+        exattn.attention(q, k, v, segment_ids=torch.zeros(1, 8, dtype=torch.int32), backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("rule", ["softcap", "alibi", "sinks", "all"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_rules(dtype, head_dim, rule, causal):
+    q, k, v, rules = inputs(2, 8, 2, 1000, 1000, head_dim, dtype, "cuda", logit_scale=2.0)
+    kwargs = {"softcap": 30.0 if rule in ("softcap", "all") else 0.0,
+              "alibi_slopes": rules["alibi_slopes"] if rule in ("alibi", "all") else None}
+    check(q, k, v, sinks=rules["sinks"] if rule in ("sinks", "all") else None, causal=causal, **kwargs)
