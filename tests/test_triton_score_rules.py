@@ -63,7 +63,7 @@ def check(q, k, v, *, sinks=None, dropout_p=0.0, seed=5, **kwargs):
 
 
 @needs_interpreter
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=12, deadline=None, derandomize=True)  # fp16 delta rounding: see tests/test_varlen.py
 @given(
     shape=st.sampled_from([(1, 2, 2, 1, 37, 16), (2, 4, 2, 45, 29, 24), (1, 3, 1, 64, 64, 13)]),
     dtype=st.sampled_from([torch.float32, torch.float16]),

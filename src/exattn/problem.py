@@ -96,8 +96,37 @@ class ScoreRules(NamedTuple):
                           row(self.alibi_slopes), self.sinks)
 
 
+class HeadShapes:
+    """Head counts and dims of a problem whose q, k, v hold heads at dim 1 and features last:
+    the dense (B, H, N, d) problem and the packed (total, H, d) one alike."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def heads_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def heads_k(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_k
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[-1]
+
+
 @dataclass(frozen=True)
-class AttentionProblem:
+class AttentionProblem(HeadShapes):
     """Validated attention inputs.
 
     q: (B, Hq, Nq, D); k: (B, Hk, Nk, D); v: (B, Hk, Nk, Dv).
@@ -117,32 +146,12 @@ class AttentionProblem:
         return self.q.shape[0]
 
     @property
-    def heads_q(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def heads_k(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def group(self) -> int:
-        return self.heads_q // self.heads_k
-
-    @property
     def len_q(self) -> int:
         return self.q.shape[2]
 
     @property
     def len_k(self) -> int:
         return self.k.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.q.shape[3]
-
-    @property
-    def value_dim(self) -> int:
-        return self.v.shape[3]
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -45,6 +45,7 @@ from .masks import sinks_grad
 from .problem import (
     AttentionParams,
     AttentionProblem,
+    HeadShapes,
     ScoreRules,
     check_qkv,
     check_score_rules,
@@ -57,7 +58,7 @@ PACKED_LAYOUT = "(total, heads, dim)"
 
 
 @dataclass(frozen=True)
-class VarlenProblem:
+class VarlenProblem(HeadShapes):
     """Validated `attention_varlen` inputs.
 
     q: (total_q, Hq, D); k: (total_k, Hk, D); v: (total_k, Hk, Dv), any strides.
@@ -86,32 +87,12 @@ class VarlenProblem:
         return self.cu_seqlens_q.shape[0] - 1
 
     @property
-    def heads_q(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def heads_k(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def group(self) -> int:
-        return self.heads_q // self.heads_k
-
-    @property
     def total_q(self) -> int:
         return self.q.shape[0]
 
     @property
     def total_k(self) -> int:
         return self.k.shape[0]
-
-    @property
-    def head_dim(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def value_dim(self) -> int:
-        return self.v.shape[2]
 
     @property
     def compute_dtype(self) -> torch.dtype:
