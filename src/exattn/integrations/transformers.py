@@ -9,18 +9,21 @@ unregistered name no mask at all (padding would be silently ignored):
 
 - `exattn_mask` (mask interface): the bool mask SDPA gets, (B, 1, Nq, Nk),
   True = attend, built by transformers' own `sdpa_mask`; except that a plain
-  causal mask without padding, whose queries are the last Nq keys (a prefill,
-  or new tokens over a KV cache), becomes None, and the attention function
-  applies exattn's bottom-right causal rule instead of a mask. The
+  causal or sliding-window causal mask without padding, whose queries are the
+  last Nq keys (a prefill, or new tokens over a KV cache, sliding or not),
+  becomes None, and the attention function applies exattn's bottom-right
+  causal rule (and the layer's `sliding_window`) instead of a mask. The
   block-diagonal mask of a packed batch (one row, position ids restarting per
   document) is not built either: it becomes a `DeferredPackedMask`.
 - `exattn_attention_forward` (attention interface): runs `exattn.attention_varlen`
   on a packed batch (the `cu_seq_lens_q/k`, `max_length_q/k` keywords, as
   `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` makes them),
   `exattn.decode` for a few new tokens over a longer cache (no mask, causal or
-  Nq = 1, no dropout, no gradient), else `exattn.attention` with the mask, the
-  module's `scaling`, the `dropout` transformers passes, and K/V heads shared
-  across query heads (GQA) without copying.
+  Nq = 1, no dropout, no gradient, and no softcap, sinks or window), else
+  `exattn.attention` with the mask, the module's `scaling`, the `dropout`,
+  `softcap` (Gemma 2's `attn_logit_softcapping`), `s_aux` (gpt-oss's sinks)
+  and `sliding_window` transformers passes, and K/V heads shared across query
+  heads (GQA) without copying.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from transformers.masking_utils import (
     packed_sequence_mask_function,
     prepare_padding_mask,
     sdpa_mask,
+    sliding_window_overlay,
 )
 
 from ..attention import attention
@@ -45,10 +49,12 @@ from ..varlen import attention_varlen
 NAME = "exattn"
 # At most this many new tokens over a longer cache go to `exattn.decode`.
 DECODE_MAX_QUERIES = 16
-UNSUPPORTED = ("softcap", "s_aux", "position_bias")
+UNSUPPORTED = ("position_bias",)
 # The code of the same-document rule transformers adds to the mask of a packed batch
 # (`packed_sequence_mask_function(ids)` returns a new closure over this code each call).
 PACKED_RULE_CODE = packed_sequence_mask_function(torch.zeros(1, 1, dtype=torch.long)).__code__
+# The code of the window rule of `sliding_window_causal_mask_function(w)` = and_masks(overlay(w), causal).
+SLIDING_RULE_CODE = sliding_window_overlay(1).__code__
 
 
 def register(name: str = NAME) -> None:
@@ -62,7 +68,7 @@ def exattn_mask(
     mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
     allow_is_causal_skip: bool = True, **kwargs,
 ) -> torch.Tensor | None:
-    """transformers' mask interface: None for plain bottom-right causal, else SDPA's bool mask.
+    """transformers' mask interface: None for plain bottom-right causal (sliding or not), else SDPA's bool mask.
 
     attention_mask: the 2-D padding mask (B, past + Nq), True/1 = real token.
     Returns None, bool (B, 1, Nq, Nk) (possibly a broadcast view), or, for a
@@ -86,17 +92,49 @@ def exattn_mask(
 
 
 def is_plain_causal(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size) -> bool:
-    """True when the mask would be exactly exattn's bottom-right causal rule (reads the padding mask)."""
-    if mask_function is not causal_mask_function or local_size is not None:
+    """True when the mask would be exactly exattn's bottom-right causal rule (reads the padding mask),
+    or, for a sliding layer (`local_size` w), that rule with the window transformers' attention
+    functions get as `sliding_window` = w (keys `q - w < k <= q`).
+
+    Keys are absolute positions `kv_offset .. kv_offset + kv_length - 1` (a sliding cache drops
+    the oldest: kv_offset > 0); the queries must be the last q_length of them.
+    """
+    if local_size is None:
+        if mask_function is not causal_mask_function:
+            return False
+    elif sliding_causal_window(mask_function) != local_size:
         return False
-    if kv_offset != 0 or not isinstance(q_offset, int) or q_offset + q_length != kv_length:
+    if not isinstance(q_offset, int) or not isinstance(kv_offset, int) or q_offset + q_length != kv_offset + kv_length:
         return False
     if attention_mask is None:
         return True
     if torch.compiler.is_compiling():
         return False
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    return padding.shape[-1] == kv_length and bool(padding.all())
+    return padding.shape[-1] == kv_offset + kv_length and bool(padding[..., kv_offset:].all())
+
+
+def sliding_window_of(rule) -> int | None:
+    """w for `sliding_window_overlay(w)`, else None."""
+    if getattr(rule, "__code__", None) is not SLIDING_RULE_CODE:
+        return None
+    (cell,) = rule.__closure__
+    return cell.cell_contents
+
+
+def sliding_causal_window(mask_function) -> int | None:
+    """w when `mask_function` is `sliding_window_causal_mask_function(w)`, that is
+    `and_masks(sliding_window_overlay(w), causal_mask_function)` (either order), else None.
+
+    Reads the `and_masks` closure; a transformers release that builds it otherwise gives
+    None, and the mask is materialized as before (correct, at O(N^2) memory).
+    """
+    for cell in getattr(mask_function, "__closure__", None) or ():
+        parts = cell.cell_contents
+        if isinstance(parts, tuple) and len(parts) == 2 and causal_mask_function in parts:
+            other = parts[1] if parts[0] is causal_mask_function else parts[0]
+            return sliding_window_of(other)
+    return None
 
 
 def is_packed_sequence_rule(mask_function) -> bool:
@@ -149,32 +187,46 @@ def exattn_attention_forward(
     `DeferredPackedMask`. kwargs `cu_seq_lens_q`, `cu_seq_lens_k` ((n + 1,)
     offsets of n packed documents, any int dtype and device) and `max_length_q`,
     `max_length_k` (int or 0-d tensor; computed from the offsets if absent):
-    a packed batch, B = 1, run by `packed_attention`.
+    a packed batch, B = 1, run by `packed_attention`. `softcap`: float or None
+    (Gemma 2/3); `s_aux`: (Hq,) sink logits in any float dtype (gpt-oss), cast to
+    float32 (float64 for float64 queries) with gradients kept; `sliding_window` w
+    (else the module's): with no mask and causal, keys `i + Nk - Nq - w < j`
+    only, i.e. exattn's window (w - 1, 0); with a mask, the mask already holds it.
     Returns (out (B, Nq, Hq, Dv), None): exattn never forms the weights.
     """
     check_kwargs(kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    softcap = float(kwargs.get("softcap") or 0.0)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        sinks = sinks.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+    sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         if attention_mask is not None and not isinstance(attention_mask, DeferredPackedMask):
             raise ValueError(
                 "attn_implementation='exattn' got a packed batch (cu_seq_lens_q/k) together with an attention "
                 "mask; a packed batch has no padding: drop attention_mask (DataCollatorWithFlattening gives none)"
             )
-        sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         return packed_attention(
             query, key, value, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
             kwargs.get("max_length_q"), kwargs.get("max_length_k"), causal=bool(causal),
-            sliding_window=sliding_window, scale=scaling, dropout=dropout,
+            sliding_window=sliding_window, scale=scaling, dropout=dropout, softcap=softcap, sinks=sinks,
         ), None
     if isinstance(attention_mask, DeferredPackedMask):
         attention_mask = attention_mask.build()
-    if attention_mask is None and use_decode(query, key, value, causal, dropout):
+    window = None
+    # Without a mask a causal sliding layer needs its window, unless even the last query sees
+    # every key (Nk <= w: a sliding cache's decoding step), where `decode` may still serve it.
+    if attention_mask is None and causal and sliding_window is not None and sliding_window < key.shape[2]:
+        window = (sliding_window - 1, 0)
+    plain = softcap == 0.0 and sinks is None and window is None  # what `decode` takes today
+    if attention_mask is None and plain and use_decode(query, key, value, causal, dropout):
         # Every key is valid (no cache_seqlens), so there is nothing to validate (and no sync).
         out = decode(query, key, value, scale=scaling, validate=False)
     else:
         out = attention(
-            query, key, value, causal=attention_mask is None and causal,
-            mask=attention_mask, scale=scaling, dropout_p=dropout,
+            query, key, value, causal=attention_mask is None and causal, window=window,
+            mask=attention_mask, scale=scaling, dropout_p=dropout, softcap=softcap, sinks=sinks,
         )
     return out.transpose(1, 2).contiguous(), None
 
@@ -182,6 +234,7 @@ def exattn_attention_forward(
 def packed_attention(
     query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, *,
     causal: bool, sliding_window: int | None, scale: float | None, dropout: float,
+    softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A packed batch through `attention_varlen`: no padding and no (N, N) mask.
 
@@ -205,7 +258,7 @@ def packed_attention(
     out = attention_varlen(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), offsets_q, offsets_k,
         longest(max_length_q, offsets_q), longest(max_length_k, offsets_k),
-        causal=causal, window=window, scale=scale, dropout_p=dropout,
+        causal=causal, window=window, scale=scale, dropout_p=dropout, softcap=softcap, sinks=sinks,
     )
     return out.unsqueeze(0)
 
