@@ -3,8 +3,15 @@ import sys
 
 import pytest
 import torch
+from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# In CI every hypothesis test draws the same examples each run (a failure there reproduces);
+# elsewhere they explore new ones.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 # Without a GPU, Triton kernels run through the interpreter (must be set before triton loads).
 if not torch.cuda.is_available():
