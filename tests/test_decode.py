@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads
 
 import exattn
-from exattn.decode import choose_decode_backend, make_decode_problem, plan_splits
+from exattn.decode import choose_decode_backend, make_decode_problem, plan_splits, triton_reasons
 from exattn.reference import attention_ref
 from error_rule import assert_matches_oracle
 
@@ -447,3 +447,43 @@ def test_empty_batch(backend):
     q, k, v, lens = make_case(1, 2, 1, 1, 8, 8, torch.float32)
     out, lse = exattn.decode(q[:0], k[:0], v[:0], cache_seqlens=lens[:0], return_lse=True, backend=backend)
     assert out.shape == (0, 2, 1, 8) and lse.shape == (0, 2, 1)
+
+
+# ---------------------------------------------------------------- window, softcap, ALiBi and sinks
+
+
+@pytest.mark.parametrize("rules", ["window", "softcap", "alibi", "sinks", "all"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_score_rules_match_the_oracle(rules, num_splits):
+    """Each sequence against the float64 oracle over its own keys (the new tokens last, causal)."""
+    g = torch.Generator().manual_seed(3)
+    b, hq, hk, nq, nmax, d = 3, 4, 2, 2, 40, 16
+    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64)
+               for shape in ((b, hq, nq, d), (b, hk, nmax, d), (b, hk, nmax, d)))
+    lens = torch.tensor([40, 17, 2], dtype=torch.int32)
+    slopes, sinks = torch.rand(b, hq, generator=g, dtype=torch.float64), torch.randn(hq, generator=g,
+                                                                                    dtype=torch.float64)
+    kwargs = {"window": {"window": (5, 0)}, "softcap": {"softcap": 3.0}, "alibi": {"alibi_slopes": slopes},
+              "sinks": {"sinks": sinks},
+              "all": {"window": (3, 2), "softcap": 2.0, "alibi_slopes": slopes, "sinks": sinks}}[rules]
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, num_splits=num_splits, return_lse=True, **kwargs)
+    for i, n in enumerate(lens.tolist()):
+        per_seq = dict(kwargs, alibi_slopes=slopes[i:i + 1]) if "alibi_slopes" in kwargs else kwargs
+        ref_out, ref_lse = attention_ref(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], causal=True,
+                                         return_lse=True, **per_seq)
+        torch.testing.assert_close(out[i:i + 1], ref_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[i:i + 1], ref_lse.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_the_decode_kernels_name_the_rules_they_do_not_apply():
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
+    problem = make_decode_problem(q, k, v, None, None, None, 0, True, window=(2, 0), softcap=1.0,
+                                  sinks=torch.zeros(2))
+    reasons = " ".join(triton_reasons(problem))
+    for name in ("window", "softcap", "sinks"):
+        assert f"{name} is not in the decode kernels yet" in reasons
+    assert not [r for r in triton_reasons(make_decode_problem(q, k, v, None, None, None, 0, True)) if "yet" in r]
+    with pytest.raises(ValueError, match="softcap must be"):
+        exattn.decode(q, k, v, softcap=-1.0)
+    with pytest.raises(ValueError, match="sinks"):
+        exattn.decode(q, k, v, sinks=torch.zeros(3))

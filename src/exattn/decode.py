@@ -26,7 +26,10 @@ import torch
 
 from .algebra import merge_states
 from .backends.tiled import tiled_forward
-from .problem import AttentionParams, check_same_dtype_device, check_scale, check_tensor, compute_dtype
+from .problem import (
+    UNBOUNDED, AttentionParams, ScoreRules, check_same_dtype_device, check_scale, check_score_rules, check_softcap,
+    check_tensor, check_window, compute_dtype,
+)
 
 if TYPE_CHECKING:
     from .backends.triton.decode_kernel import DecodeConfig
@@ -51,6 +54,16 @@ class DecodeProblem:
     block_table: torch.Tensor | None
     scale: float
     num_splits: int
+    window_left: int = UNBOUNDED
+    softcap: float = 0.0
+    rules: ScoreRules | None = None
+
+    @property
+    def score_rules_in_use(self) -> list[str]:
+        """The keywords beyond plain causal decoding that are on (`window`, `softcap`, ...)."""
+        names = ["window"] if self.window_left != UNBOUNDED else []
+        names += ["softcap"] if self.softcap else []
+        return names + ([] if self.rules is None else self.rules.in_use())
 
     @property
     def paged(self) -> bool:
@@ -154,7 +167,8 @@ def used_pages(problem: DecodeProblem) -> torch.Tensor:
     return slots[None, :] * problem.page_size < problem.seqlens[:, None]
 
 
-def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate) -> DecodeProblem:
+def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate,
+                        window=None, softcap=0.0, alibi_slopes=None, sinks=None) -> DecodeProblem:
     q = check_tensor("q", q, 4)
     k_cache, v_cache = check_tensor("k_cache", k_cache, 4), check_tensor("v_cache", v_cache, 4)
     check_same_dtype_device(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -173,9 +187,12 @@ def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, 
     check_int_tensor("cache_seqlens", cache_seqlens, (batch,), q)
     if not isinstance(validate, bool):
         raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    rules = check_score_rules(batch=batch, heads_q=q.shape[1], len_q=len_q, len_k=capacity, device=q.device,
+                              dtype=q.dtype, alibi_slopes=alibi_slopes, sinks=sinks)
     problem = DecodeProblem(
         q=q, k_cache=k_cache, v_cache=v_cache, seqlens=cache_seqlens, block_table=block_table,
         scale=check_scale(scale, q.shape[3]), num_splits=check_num_splits(num_splits),
+        window_left=check_window(window, True)[0], softcap=check_softcap(softcap), rules=rules,
     )
     if validate:
         check_lengths(problem)
@@ -265,6 +282,7 @@ def triton_reasons(problem: DecodeProblem) -> list[str]:
     if not triton_importable():
         return ["triton is not installed"]
     q, reasons = problem.q, device_reasons(problem.q.device)
+    reasons += [f"{name} is not in the decode kernels yet" for name in problem.score_rules_in_use]
     if q.dtype not in SUPPORTED_DTYPES:
         reasons.append(f"dtype {q.dtype} computes on the tiled backend")
     widest = max(q.shape[3], problem.v_cache.shape[3])
@@ -405,28 +423,50 @@ def split_keys(problem: DecodeProblem, lo: int, hi: int) -> tuple[torch.Tensor, 
     return gather(problem.k_cache), gather(problem.v_cache)
 
 
+def split_mask(problem: DecodeProblem, lo: int, hi: int) -> torch.Tensor:
+    """What the new tokens may see of keys [lo, hi): bool (B, 1, Nq, n) (lengths, causal, window),
+    or with ALiBi the float bias (B, Hq, Nq, n), -inf where not allowed."""
+    lens, len_q = problem.seqlens, problem.q.shape[2]
+    token = torch.arange(len_q, device=lens.device)
+    key = torch.arange(lo, hi, device=lens.device)
+    position = lens[:, None, None, None] - len_q + token[None, None, :, None]  # the token's own key
+    allowed = key <= position
+    if problem.window_left != UNBOUNDED:
+        allowed &= key >= position - problem.window_left
+    if problem.rules is None or problem.rules.alibi_slopes is None:
+        return allowed
+    slopes = problem.rules.alibi_slopes.to(compute_dtype(problem.q.dtype))[:, :, None, None]
+    return (-slopes * (position - key).abs()).masked_fill(~allowed, float("-inf"))
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the virtual sink key (logit sinks[h], value 0) into the merged splits, once."""
+    sink_lse = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    return merge_states(out, lse, torch.zeros_like(out), sink_lse)
+
+
 def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tiled_forward` on each split (a bool mask carries the lengths and the
-    causal rule), merged with `merge_states` in the compute dtype. Syncs once
-    to read the longest length."""
+    """`tiled_forward` on each split (a mask carries the lengths, the causal rule, the window and
+    ALiBi), merged with `merge_states` in the compute dtype, then the sinks. Syncs once to read
+    the longest length."""
     q, lens = problem.q, problem.seqlens
     batch, heads_q, len_q, _ = q.shape
     longest = int(lens.max())
     chunk = split_chunk(longest, max(1, problem.num_splits), problem.page_size)
-    params = AttentionParams(scale=problem.scale)
+    params = AttentionParams(scale=problem.scale, softcap=problem.softcap)
     q_acc = q.to(compute_dtype(q.dtype))
-    token = torch.arange(len_q, device=q.device)
     state = None
     for lo in range(0, longest, chunk):
         hi = min(lo + chunk, longest)
         k, v = split_keys(problem, lo, hi)
         key = torch.arange(lo, hi, device=q.device)
-        last_key = lens[:, None, None, None] - len_q + token[None, None, :, None]
-        allowed = key <= last_key  # (B, 1, Nq, n)
         v = v.masked_fill((key >= lens[:, None])[:, None, :, None], 0)  # stale slots may hold NaN
-        part = tiled_forward(q_acc, k, v, allowed.expand(batch, heads_q, len_q, hi - lo), params)
+        mask = split_mask(problem, lo, hi)
+        part = tiled_forward(q_acc, k, v, mask.expand(batch, heads_q, len_q, hi - lo), params)
         state = part if state is None else merge_states(*state, *part)
     out, lse = state
+    if problem.rules is not None and problem.rules.sinks is not None:
+        out, lse = add_sinks(out, lse, problem.rules.sinks)
     return out.to(q.dtype), lse
 
 
@@ -437,7 +477,8 @@ def decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     cache_seqlens: torch.Tensor | None = ..., block_table: torch.Tensor | None = ...,
     scale: float | None = ..., num_splits: int = ..., return_lse: Literal[False] = ...,
-    backend: str = ..., validate: bool = ...,
+    backend: str = ..., validate: bool = ..., window: tuple[int, int] | None = ..., softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -446,13 +487,15 @@ def decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     cache_seqlens: torch.Tensor | None = ..., block_table: torch.Tensor | None = ...,
     scale: float | None = ..., num_splits: int = ..., return_lse: Literal[True],
-    backend: str = ..., validate: bool = ...,
+    backend: str = ..., validate: bool = ..., window: tuple[int, int] | None = ..., softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def decode(
     q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, scale=None,
-    num_splits=0, return_lse=False, backend="auto", validate=True,
+    num_splits=0, return_lse=False, backend="auto", validate=True, window=None, softcap=0.0,
+    alibi_slopes=None, sinks=None,
 ):
     """Attention of Nq new tokens over a KV cache (split-KV, exact).
 
@@ -473,11 +516,17 @@ def decode(
         validate: check the lengths against Nq and the cache, and the used
             pages, which syncs with the device; False skips it (CUDA graphs,
             the hot decode loop), and then out-of-range lengths are undefined.
+        window: (left, right) as in `attention`, around each new token's own position
+            L - Nq + t (decoding is causal, so only `left` narrows what a token sees).
+        softcap, alibi_slopes, sinks: as in `attention` (ALiBi's distance is between the
+            token's position and the key's). These run on the tiled backend for now: the
+            decode kernels do not apply them yet (`backend="triton"` says so).
 
     Returns:
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
     """
-    problem = make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate)
+    problem = make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate,
+                                  window, softcap, alibi_slopes, sinks)
     name = choose_decode_backend(problem, backend)
     if q.shape[0] == 0:
         out, lse = q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
