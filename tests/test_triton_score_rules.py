@@ -1,4 +1,4 @@
-"""softcap, ALiBi and sinks in the Triton kernels, against the float64 oracle by the shared error rule.
+"""softcap, ALiBi, sinks and a prefix in the Triton kernels, against the float64 oracle by the shared error rule.
 
 On the CPU the kernels run in Triton's interpreter (fp32 and fp16: its dot mishandles bf16); the
 tests marked gpu run the compiled kernels in bf16 and fp16 at larger shapes.
@@ -69,12 +69,22 @@ def check(q, k, v, *, sinks=None, dropout_p=0.0, seed=5, **kwargs):
     dtype=st.sampled_from([torch.float32, torch.float16]),
     causal=st.booleans(), window=st.sampled_from([None, (7, 3)]),
     softcap=st.sampled_from([0.0, 2.0, 30.0]), alibi=st.booleans(), sink=st.booleans(),
-    dropout_p=st.sampled_from([0.0, 0.2]),
+    prefix=st.sampled_from([None, 0, 5, 20]), dropout_p=st.sampled_from([0.0, 0.2]),
 )
-def test_rules_in_the_kernels(shape, dtype, causal, window, softcap, alibi, sink, dropout_p):
+def test_rules_in_the_kernels(shape, dtype, causal, window, softcap, alibi, sink, prefix, dropout_p):
     q, k, v, rules = inputs(*shape, dtype, "cpu", logit_scale=3.0)
     check(q, k, v, sinks=rules["sinks"] if sink else None, causal=causal, window=window, softcap=softcap,
-          alibi_slopes=rules["alibi_slopes"] if alibi else None, dropout_p=dropout_p)
+          alibi_slopes=rules["alibi_slopes"] if alibi else None, prefix=prefix, dropout_p=dropout_p)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("prefix", [torch.tensor([3, 0, 70], dtype=torch.int32), 33])
+def test_prefix_lm(prefix):
+    """A prefix-LM (bidirectional prefix, causal after it) and a streaming window with sink tokens,
+    per batch entry, prefixes past the keys included."""
+    q, k, v, _ = inputs(3, 2, 1, 64, 64, 16, torch.float32, "cpu")
+    check(q, k, v, causal=True, prefix=prefix)
+    check(q, k, v, causal=True, window=(8, 0), prefix=prefix)
 
 
 @needs_interpreter
@@ -91,6 +101,7 @@ def test_huge_logits_under_softcap_and_rows_that_see_only_the_sink():
 def test_triton_serves_these_rules_and_names_the_others():
     q, k, v, rules = inputs(1, 2, 2, 8, 8, 16, torch.float32, "cpu")
     assert exattn.explain_backend(q, k, v, softcap=5.0, sinks=rules["sinks"], backend="triton").name == "triton"
+    assert exattn.explain_backend(q, k, v, prefix=3, causal=True, backend="triton").name == "triton"
     with pytest.raises(ValueError, match="segment_ids"):
         exattn.attention(q, k, v, segment_ids=torch.zeros(1, 8, dtype=torch.int32), backend="triton")
 
@@ -98,10 +109,11 @@ def test_triton_serves_these_rules_and_names_the_others():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("rule", ["softcap", "alibi", "sinks", "all"])
+@pytest.mark.parametrize("rule", ["softcap", "alibi", "sinks", "prefix", "all"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_rules(dtype, head_dim, rule, causal):
     q, k, v, rules = inputs(2, 8, 2, 1000, 1000, head_dim, dtype, "cuda", logit_scale=2.0)
     kwargs = {"softcap": 30.0 if rule in ("softcap", "all") else 0.0,
-              "alibi_slopes": rules["alibi_slopes"] if rule in ("alibi", "all") else None}
+              "alibi_slopes": rules["alibi_slopes"] if rule in ("alibi", "all") else None,
+              "prefix": 100 if rule in ("prefix", "all") else None}
     check(q, k, v, sinks=rules["sinks"] if rule in ("sinks", "all") else None, causal=causal, **kwargs)

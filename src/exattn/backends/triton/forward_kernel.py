@@ -18,8 +18,8 @@ from .tile_io import (
     head_slice, load_source_tile, load_tile, store_tile, tile_pointers, tile_source, tile_walk,
 )
 from .tiles import (
-    LOG2E, add_sink, dropout_keep, finalize, masked_scores, query_row_tile, row_slope, score_mods, sequence_span,
-    tile_segments,
+    LOG2E, add_sink, dropout_keep, finalize, masked_scores, query_row_tile, row_slope, score_mods, sequence_prefix,
+    sequence_span, tile_segments, with_prefix_keys,
 )
 
 
@@ -32,7 +32,7 @@ def forward_segment(
     BLOCK_DV: tl.constexpr, CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):
     """Fold key tiles [tile_lo, tile_hi) into (acc, m_i, l_i); CHECK_BAND masks every element."""
     k_at, k_step = tile_walk(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d, USE_TMA)
@@ -47,7 +47,7 @@ def forward_segment(
                                HAS_ALIBI)
             s2 = masked_scores(
                 s2, rows[:, None], cols[None, :], len_q, len_k, left, right, mask_base,
-                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX,
             )
             m_new = tl.maximum(m_i, tl.max(s2, 1))
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -74,13 +74,14 @@ def forward_segment(
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_forward_kernel(
-    Q, K, V, O, LSE, MASK, CU_Q, CU_K, SINKS, ALIBI, q_strides, k_strides, v_strides, o_strides,
+    Q, K, V, O, LSE, MASK, CU_Q, CU_K, SINKS, ALIBI, PREFIX, q_strides, k_strides, v_strides, o_strides,
     mask_strides, alibi_strides, heads_q, group, len_q, len_k, num_row_tiles, lse_head_stride, softcap2,
     scale_log2, left, right, dropout_p, keep_scale, seed, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). Strides are (batch, head, row, col) tuples.
 
@@ -119,7 +120,7 @@ def attention_forward_kernel(
     v_src = tile_source(v_base, vv_strides, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base, mask_rc = head_slice(MASK, mask_strides, b, h)
     drop_base = (b * heads_q + h) * drop_rows
-    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI))
+    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI), sequence_prefix(PREFIX, b, HAS_PREFIX))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -128,32 +129,34 @@ def attention_forward_kernel(
     lo, full_lo, full_hi, hi = tile_segments(
         m0, row_stop, len_q, len_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT
     )
+    if HAS_PREFIX:
+        lo, full_lo, full_hi, hi = with_prefix_keys((lo, full_lo, full_hi, hi), mods[2], len_k, BLOCK_N)
     if WARP_SPECIALIZE:
         # One loop only (the compiler's warp specialization needs it): every tile masked.
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, lo, hi, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
             keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, True, HAS_SOFTCAP, HAS_ALIBI,
+            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, True, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
         )
     else:
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, lo, full_lo, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
             keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI,
+            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
         )
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, full_lo, full_hi, rows, offs_n,
             offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed,
             dropout_p, keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
-            HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
         )
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, full_hi, hi, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
             keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI,
+            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
         )
 
     if HAS_SINKS:

@@ -204,14 +204,15 @@ def packing_args(q: torch.Tensor, packing: Packing | None) -> tuple[torch.Tensor
 
 
 def rule_args(q: torch.Tensor, params: AttentionParams, rules) -> tuple[dict, dict]:
-    """(ALIBI / SINKS / softcap2 kernel arguments, their constexpr switches) for the score rules the
-    kernels serve: softcap, ALiBi slopes (B, Hq) and sinks (Hq,); placeholders where off."""
+    """(ALIBI / SINKS / PREFIX / softcap2 kernel arguments, their constexpr switches) for the score rules
+    the kernels serve: softcap, ALiBi slopes (B, Hq), sinks (Hq,), prefix (B,); placeholders where off."""
     alibi = None if rules is None else rules.alibi_slopes
     sinks = None if rules is None else rules.sinks
+    prefix = None if rules is None else rules.prefix
     softcap = params.softcap
     args = dict(ALIBI=q if alibi is None else alibi, alibi_strides=(0, 0) if alibi is None else alibi.stride(),
-                softcap2=softcap * LOG2E)
-    flags = dict(HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None)
+                softcap2=softcap * LOG2E, PREFIX=q if prefix is None else prefix)
+    flags = dict(HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_PREFIX=prefix is not None)
     return dict(args, SINKS=q if sinks is None else sinks), dict(flags, HAS_SINKS=sinks is not None)
 
 
@@ -318,7 +319,8 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     col_tiles = ceil_div(len_k, cfg.block_n)
     strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dk, dv, dq_acc)]
     attention_dkdv_kernel[grid_of(col_tiles, batch * heads_k)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], *strides,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"],
+        rule_kernel_args["PREFIX"], *strides,
         mask_strides, rule_kernel_args["alibi_strides"], heads_q, group, len_q, len_k, col_tiles, stats_stride,
         rule_kernel_args["softcap2"], **scalars, **rule_flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
@@ -334,7 +336,8 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     row_tiles = ceil_div(len_q, cfg.block_m)
     strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dq)]
     attention_dq_kernel[grid_of(row_tiles, batch * heads_q)](
-        q, k, v, dout, lse, delta, dq, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], *strides, mask_strides,
+        q, k, v, dout, lse, delta, dq, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], rule_kernel_args["PREFIX"],
+        *strides, mask_strides,
         rule_kernel_args["alibi_strides"], heads_q, group, len_q, len_k, row_tiles, stats_stride,
         rule_kernel_args["softcap2"], **scalars, **rule_flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,

@@ -106,8 +106,8 @@ def tanh(x):
 @triton.jit
 def score_mods(s2, rows, cols, len_q, len_k, mods, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Base-2 scores after softcap, then ALiBi (the SPEC's order), and d(capped)/d(raw) = 1 - tanh^2
-    for the backward (1.0 without softcap). mods = (softcap * log2 e, slope * log2 e)."""
-    softcap2, slope2 = mods
+    for the backward (1.0 without softcap). mods = (softcap * log2 e, slope * log2 e, prefix)."""
+    softcap2, slope2 = mods[0], mods[1]
     dcap = 1.0
     if HAS_SOFTCAP:
         capped = tanh(s2 / softcap2)
@@ -128,6 +128,15 @@ def row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI: tl.constexpr):
 
 
 @triton.jit
+def sequence_prefix(PREFIX, b, HAS_PREFIX: tl.constexpr):
+    """prefix[b] (0 without HAS_PREFIX): keys below it are allowed to every query of sequence b."""
+    if HAS_PREFIX:
+        return tl.load(PREFIX + b)
+    else:
+        return 0
+
+
+@triton.jit
 def add_sink(acc, m2, l, sink2):
     """Fold the virtual sink key (logit sink2 in base 2, value 0) into a running summary, as
     `exattn.algebra.merge` with the summary (sink2, 1, 0): a row with no allowed key ends at (sink2, 1, 0)."""
@@ -140,8 +149,10 @@ def add_sink(acc, m2, l, sink2):
 def masked_scores(
     s2, rows, cols, len_q, len_k, left, right, mask_base, mask_strides,
     CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+    prefix=0, HAS_PREFIX: tl.constexpr = False,
 ):
-    """Base-2 scores with the user mask (1 = bool, 2 = additive bias) and, if CHECK_BAND, the band applied.
+    """Base-2 scores with the user mask (1 = bool, 2 = additive bias) and, if CHECK_BAND, the band applied
+    (keys j < prefix allowed whatever the band says, with HAS_PREFIX).
 
     mask_base points at the (b, h) slice of the (B, Hq, Nq, Nk) mask view;
     mask_strides are its (row, col) strides (0 for broadcast axes).
@@ -156,8 +167,32 @@ def masked_scores(
             bias = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
             s2 = s2 + bias * LOG2E
     if CHECK_BAND:
-        s2 = tl.where(band_allows(rows, cols, len_q, len_k, left, right, HAS_LEFT, HAS_RIGHT), s2, float("-inf"))
+        allowed = band_allows(rows, cols, len_q, len_k, left, right, HAS_LEFT, HAS_RIGHT)
+        if HAS_PREFIX:
+            allowed = allowed | ((cols < prefix) & (cols < len_k))
+        s2 = tl.where(allowed, s2, float("-inf"))
     return s2
+
+
+@triton.jit
+def with_prefix_keys(segments, prefix, len_k, BLOCK_N: tl.constexpr):
+    """A query tile's key-tile runs `tile_segments` gave, widened to the prefix keys [0, prefix):
+    one masked run [lo, hi) (the band's full tiles are no longer known to be whole)."""
+    lo, full_lo, full_hi, hi = segments
+    lo = tl.where(prefix > 0, 0, lo)
+    hi = tl.maximum(hi, cdiv(tl.minimum(prefix, len_k), BLOCK_N))
+    return lo, hi, hi, hi
+
+
+@triton.jit
+def with_prefix_rows(segments, n0, prefix, len_q, BLOCK_M: tl.constexpr):
+    """A key tile's query-tile runs, widened to every query row when the tile holds prefix keys;
+    one masked run."""
+    lo, full_lo, full_hi, hi = segments
+    sees_all = n0 < prefix
+    lo = tl.where(sees_all, 0, lo)
+    hi = tl.where(sees_all, cdiv(len_q, BLOCK_M), hi)
+    return lo, hi, hi, hi
 
 
 @triton.jit
