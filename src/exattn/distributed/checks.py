@@ -9,6 +9,7 @@ naming the field and each rank's value, before any data moves.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
 import torch
@@ -30,6 +31,16 @@ def encode(value) -> list[int]:
     return [int(value)]
 
 
+@contextlib.contextmanager
+def peer_failure(message: str):
+    """A collective's RuntimeError raised again as one that says which call failed and why (`message`),
+    with the cause appended: every rank of a failed exchange fails with a clear error."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise RuntimeError(f"{message}. Cause: {exc}") from exc
+
+
 def agree(what: str, group, device: torch.device, **fields) -> None:
     """Raise ValueError on every rank of `group` if any field differs between ranks."""
     world = dist.get_world_size(group)
@@ -40,13 +51,9 @@ def agree(what: str, group, device: torch.device, **fields) -> None:
     if dist.get_backend(group) == "nccl":
         flat = flat.to(device)
     gathered = [torch.empty_like(flat) for _ in range(world)]
-    try:
+    with peer_failure(f"{what}: the ranks of the group could not compare their arguments (a rank did not "
+                      "make the same call, or its shapes differ in rank count)"):
         dist.all_gather(gathered, flat, group=group)
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"{what}: the ranks of the group could not compare their arguments (a rank did not make "
-            f"the same call, or its shapes differ in rank count): {exc}"
-        ) from exc
     rows = [g.tolist() for g in gathered]
     if all(row == rows[0] for row in rows):
         return

@@ -51,7 +51,7 @@ from ..algebra import NEG_INF, BlockSummary, empty_summary, finalize_, merge_
 from ..backends import get_backend
 from ..problem import AttentionParams, check_qkv, check_scale, check_window, compute_dtype, make_problem
 from .blocks import FULL, Block, band_block, global_band, step_blocks
-from .checks import agree
+from .checks import agree, peer_failure
 from .layout import LAYOUTS, Segment, check_layout, segments
 from .ledger import MemoryLedger, NullLedger, Prefixed, as_ledger
 
@@ -93,16 +93,14 @@ class RingComm:
     def wait(self, where: str = "") -> list[torch.Tensor]:
         received, requests, _sent = self.pending
         self.pending = None
-        try:
+        with peer_failure(
+            f"{self.what}: rank {self.rank} of a ring of {self.world} could not exchange blocks with "
+            f"rank {self.prev} / {self.next}{' ' + where if where else ''}: a peer raised, died, or did "
+            "not make the same call (every rank must call the ring the same number of times, forward "
+            "and backward)"
+        ):
             for request in requests:
                 request.wait()
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"{self.what}: rank {self.rank} of a ring of {self.world} could not exchange blocks with "
-                f"rank {self.prev} / {self.next}{' ' + where if where else ''}: a peer raised, died, or did "
-                f"not make the same call (every rank must call the ring the same number of times, forward "
-                f"and backward). Cause: {exc}"
-            ) from exc
         return received
 
 

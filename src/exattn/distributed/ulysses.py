@@ -36,7 +36,7 @@ from ..attention import attention as local_attention
 from ..attention import explain_backend
 from ..problem import check_qkv, check_scale, check_window, compute_dtype
 from ..varlen import attention_varlen, explain_varlen_backend
-from .checks import agree
+from .checks import agree, peer_failure
 from .ledger import MemoryLedger, NullLedger, as_ledger, tensor_bytes
 from .ring import check_bool, check_group
 
@@ -44,13 +44,9 @@ from .ring import check_bool, check_group
 def exchange(send: torch.Tensor, group, what: str) -> torch.Tensor:
     """all_to_all_single over dim 0 (one equal chunk per rank), with a clear error if a peer fails."""
     recv = torch.empty_like(send)
-    try:
+    with peer_failure(f"{what}: rank {dist.get_rank(group)} of {dist.get_world_size(group)} could not finish "
+                      "its all-to-all: a peer raised, died, or did not make the same call"):
         dist.all_to_all_single(recv, send, group=group)
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"{what}: rank {dist.get_rank(group)} of {dist.get_world_size(group)} could not finish its "
-            f"all-to-all: a peer raised, died, or did not make the same call. Cause: {exc}"
-        ) from exc
     return recv
 
 
