@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-varlen = pytest.importorskip("varlen")
+import varlen  # noqa: E402
 
 
 @pytest.mark.parametrize("packing", list(varlen.PACKINGS))
