@@ -414,20 +414,9 @@ def test_varlen_rules_against_the_per_sequence_oracle(case, dtype):
 # ---------------------------------------------------------------- backends that say why not
 
 
-def test_triton_names_every_rule_it_does_not_serve_yet():
-    """The kernels apply softcap, ALiBi, sinks and a prefix (tests/test_triton_score_rules.py); segment
-    ids they do not yet, and "auto" then runs tiled, whose reasons name them."""
+def test_triton_serves_every_rule():
+    """The kernels apply segment ids, prefix, softcap, ALiBi and sinks (tests/test_triton_score_rules.py)."""
     q, k, v = make_qkv(1, 2, 1, 4, 4, 8, 8, torch.float32, torch.Generator().manual_seed(0))
     problem = make_problem(q, k, v, segment_ids=torch.zeros(1, 4, dtype=torch.int32), prefix=1, softcap=2.0,
                            alibi_slopes=torch.ones(2), sinks=torch.zeros(2))
-    reasons = " ".join(problem_reasons(problem))
-    assert "segment_ids is not in the Triton kernels yet" in reasons
-    for name in ("prefix", "softcap", "alibi_slopes", "sinks"):
-        assert name not in reasons
-    assert all("Triton kernels yet" not in r for r in problem_reasons(make_problem(q, k, v)))
-
-
-def test_triton_by_name_raises_naming_the_rule():
-    q, k, v = make_qkv(1, 2, 1, 4, 4, 8, 8, torch.float32, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="segment_ids is not in the Triton kernels yet"):
-        exattn.attention(q, k, v, segment_ids=torch.zeros(1, 4, dtype=torch.int32), backend="triton")
+    assert problem_reasons(problem) == []

@@ -1,4 +1,4 @@
-"""softcap, ALiBi, sinks and a prefix in the Triton kernels, against the float64 oracle by the shared error rule.
+"""Segment ids, softcap, ALiBi, sinks and a prefix in the Triton kernels, against the float64 oracle by the shared error rule.
 
 On the CPU the kernels run in Triton's interpreter (fp32 and fp16: its dot mishandles bf16); the
 tests marked gpu run the compiled kernels in bf16 and fp16 at larger shapes.
@@ -70,11 +70,30 @@ def check(q, k, v, *, sinks=None, dropout_p=0.0, seed=5, **kwargs):
     causal=st.booleans(), window=st.sampled_from([None, (7, 3)]),
     softcap=st.sampled_from([0.0, 2.0, 30.0]), alibi=st.booleans(), sink=st.booleans(),
     prefix=st.sampled_from([None, 0, 5, 20]), dropout_p=st.sampled_from([0.0, 0.2]),
+    documents=st.sampled_from([None, 1, 4, 9]),
 )
-def test_rules_in_the_kernels(shape, dtype, causal, window, softcap, alibi, sink, prefix, dropout_p):
+def test_rules_in_the_kernels(shape, dtype, causal, window, softcap, alibi, sink, prefix, dropout_p, documents):
     q, k, v, rules = inputs(*shape, dtype, "cpu", logit_scale=3.0)
     check(q, k, v, sinks=rules["sinks"] if sink else None, causal=causal, window=window, softcap=softcap,
-          alibi_slopes=rules["alibi_slopes"] if alibi else None, prefix=prefix, dropout_p=dropout_p)
+          alibi_slopes=rules["alibi_slopes"] if alibi else None, prefix=prefix, dropout_p=dropout_p,
+          segment_ids=None if documents is None else document_ids(q, k, documents))
+
+
+def document_ids(q, k, documents, shuffled=False):
+    """(q ids, k ids): `documents` runs of ids over each sequence (out of order when shuffled)."""
+    def ids(n):
+        run = (torch.arange(n) * documents // max(n, 1)).to(torch.int32)
+        return (run * 7 % documents if shuffled else run)[None].expand(q.shape[0], n).contiguous()
+    return ids(q.shape[2]), ids(k.shape[2])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_segment_ids_skip_tiles_and_hold_when_unsorted(shuffled):
+    """Sorted ids take the searched tile ranges; unsorted ones every tile: both exact."""
+    q, k, v, _ = inputs(2, 2, 1, 100, 100, 16, torch.float32, "cpu")
+    check(q, k, v, causal=True, segment_ids=document_ids(q, k, 5, shuffled))
+    check(q, k, v, segment_ids=document_ids(q, k, 3, shuffled)[0], prefix=10)
 
 
 @needs_interpreter
@@ -98,12 +117,12 @@ def test_huge_logits_under_softcap_and_rows_that_see_only_the_sink():
 
 
 @needs_interpreter
-def test_triton_serves_these_rules_and_names_the_others():
+def test_triton_serves_every_rule():
     q, k, v, rules = inputs(1, 2, 2, 8, 8, 16, torch.float32, "cpu")
     assert exattn.explain_backend(q, k, v, softcap=5.0, sinks=rules["sinks"], backend="triton").name == "triton"
     assert exattn.explain_backend(q, k, v, prefix=3, causal=True, backend="triton").name == "triton"
-    with pytest.raises(ValueError, match="segment_ids"):
-        exattn.attention(q, k, v, segment_ids=torch.zeros(1, 8, dtype=torch.int32), backend="triton")
+    ids = torch.zeros(1, 8, dtype=torch.int32)
+    assert exattn.explain_backend(q, k, v, segment_ids=ids, backend="triton").name == "triton"
 
 
 @pytest.mark.gpu

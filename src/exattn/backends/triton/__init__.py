@@ -38,8 +38,8 @@ GLUON_HEAD_DIMS = tuple(GLUON_FORWARD_MIN_LEN)
 GLUON_BACKWARD_HEAD_DIMS = tuple(GLUON_BACKWARD_MIN_LEN)
 GLUON_TRITON = (3, 6)
 MIN_CAPABILITY = (8, 0)
-# Score rules the kernels do not apply yet (softcap, ALiBi, sinks and prefix they do).
-KERNELS_LACK = ("segment_ids",)
+# Score rules the kernels do not apply (they apply segment ids, prefix, softcap, ALiBi and sinks).
+KERNELS_LACK = ()
 
 
 def triton_importable() -> bool:

@@ -29,7 +29,7 @@ from .tile_io import (
 )
 from .tiles import (
     LOG2E, dropout_keep, masked_scores, query_row_tile, row_slope, score_mods, sequence_prefix, sequence_span,
-    tile_segments, with_prefix_keys, with_prefix_rows,
+    segment_ids, tile_segments, with_prefix_keys, with_prefix_rows, with_segment_tiles,
 )
 
 
@@ -84,7 +84,7 @@ def dkdv_segment(
     BLOCK_DV: tl.constexpr, CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
 ):
     """Add the query tiles [tile_lo, tile_hi) of one query head into (dk, dv) (dk unscaled).
 
@@ -105,9 +105,15 @@ def dkdv_segment(
             s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
         s2t, dcap = score_mods(s2t, rows[None, :], cols[:, None], len_q, len_k, mods, HAS_SOFTCAP, HAS_ALIBI)
         if CHECK_BAND or MASK_KIND != 0:
+            if HAS_SEGMENTS:
+                seg_rows = tl.load(mods[4] + rows.to(tl.int64) * mods[5], mask=rows < len_q, other=-1)
+                segs = (seg_rows[None, :], mods[3][:, None])
+            else:
+                segs = (0, 0)
             s2t = masked_scores(
                 s2t, rows[None, :], cols[:, None], len_q, len_k, left, right, mask_base,
-                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX,
+                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX, segs[0], segs[1],
+                HAS_SEGMENTS,
             )
         pt = tl.math.exp2(s2t - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -137,12 +143,12 @@ def dkdv_head(
     dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides, mask_strides,
     b, h, heads_q, segments, cols, offs_m, offs_d, offs_dv, len_q, len_k, left, right,
     scale_log2, seed, dropout_p, keep_scale, q_start, stats_head_stride, drop_rows, drop_cols,
-    ALIBI, alibi_strides, softcap2, prefix,
+    ALIBI, alibi_strides, softcap2, prefix, seg_keys, seg_q_base, seg_q_stride,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, VARLEN: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
 ):
     """Add every query tile of query head h: masked edge, full, masked diagonal / tail runs."""
     q_base, qs = head_slice(Q, q_strides, b, h)
@@ -160,34 +166,34 @@ def dkdv_head(
     else:
         row_base = (b * heads_q + h) * len_q
     drop_base = (b * heads_q + h) * drop_rows
-    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI), prefix)
+    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI), prefix, seg_keys, seg_q_base, seg_q_stride)
     lo, full_lo, full_hi, hi = segments
     dk, dv = dkdv_segment(
         dk, dv, k, v, q_src, do_src, qs, dos, LSE, DELTA, dq_base, dqs, lo, full_lo, cols, offs_m,
         offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p,
         keep_scale, row_base, drop_base, drop_cols, mods, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-        MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+        MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX, HAS_SEGMENTS,
     )
     dk, dv = dkdv_segment(
         dk, dv, k, v, q_src, do_src, qs, dos, LSE, DELTA, dq_base, dqs, full_lo, full_hi, cols,
         offs_m, offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed,
         dropout_p, keep_scale, row_base, drop_base, drop_cols, mods, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
-        HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+        HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX, HAS_SEGMENTS,
     )
     dk, dv = dkdv_segment(
         dk, dv, k, v, q_src, do_src, qs, dos, LSE, DELTA, dq_base, dqs, full_hi, hi, cols, offs_m,
         offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p,
         keep_scale, row_base, drop_base, drop_cols, mods, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-        MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+        MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX, HAS_SEGMENTS,
     )
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DVAL, DQ_ACC, MASK, CU_Q, CU_K, ALIBI, PREFIX,
+    Q, K, V, DO, LSE, DELTA, DK, DVAL, DQ_ACC, MASK, CU_Q, CU_K, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, mask_strides,
-    alibi_strides, heads_q, group, len_q, len_k, num_col_tiles, stats_head_stride, softcap2, scale_log2,
+    alibi_strides, seg_q_strides, seg_k_strides, heads_q, group, len_q, len_k, num_col_tiles, stats_head_stride, softcap2, scale_log2,
     scale, left, right,
     dropout_p, keep_scale, seed,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -195,6 +201,7 @@ def attention_dkdv_kernel(
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, ACCUMULATE: tl.constexpr,
     VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
 ):
     """Grid: (num_col_tiles * B * Hk,). DK, DVAL: (B, Hk, Nk, D/Dv) in k's dtype (float32 with ACCUMULATE).
 
@@ -234,14 +241,19 @@ def attention_dkdv_kernel(
     prefix = sequence_prefix(PREFIX, b, HAS_PREFIX)
     if HAS_PREFIX:
         lo, full_lo, full_hi, hi = with_prefix_rows((lo, full_lo, full_hi, hi), n0, prefix, len_q, BLOCK_M)
+    if HAS_SEGMENTS:
+        lo, full_lo, full_hi, hi = with_segment_tiles((lo, full_lo, full_hi, hi), SEG_RANGES, b, n0 // BLOCK_N,
+                                                      num_col_tiles)
+    seg_keys = segment_ids(SEG_K, seg_k_strides, b, cols, len_k, -2, HAS_SEGMENTS)
     for g in range(0, group):
         dk, dv = dkdv_head(
             dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides,
             mask_strides, b, hk * group + g, heads_q, (lo, full_lo, full_hi, hi), cols, offs_m,
             offs_d, offs_dv, len_q, len_k, left, right, scale_log2, seed, dropout_p, keep_scale,
-            q_start, stats_head_stride, drop_rows, drop_cols, ALIBI, alibi_strides, softcap2, prefix, D, DV,
-            BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ,
-            VARLEN, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+            q_start, stats_head_stride, drop_rows, drop_cols, ALIBI, alibi_strides, softcap2, prefix, seg_keys,
+            SEG_Q + b * seg_q_strides[0], seg_q_strides[1], D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT,
+            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, ATOMIC_DQ, VARLEN, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+            HAS_SEGMENTS,
         )
     dk_ptrs = head_tile_pointers(DK, dk_strides, b, hk, cols, offs_d)
     dv_ptrs = head_tile_pointers(DVAL, dv_strides, b, hk, cols, offs_dv)
@@ -262,7 +274,7 @@ def dq_segment(
     BLOCK_DV: tl.constexpr, CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
 ):
     """Add the key tiles [tile_lo, tile_hi) into dq (unscaled)."""
     k_at, k_step = tile_walk(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d, USE_TMA)
@@ -275,9 +287,15 @@ def dq_segment(
         s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s2, dcap = score_mods(s2, rows[:, None], cols[None, :], len_q, len_k, mods, HAS_SOFTCAP, HAS_ALIBI)
         if CHECK_BAND or MASK_KIND != 0:
+            if HAS_SEGMENTS:
+                seg_cols = tl.load(mods[4] + cols.to(tl.int64) * mods[5], mask=cols < len_k, other=-2)
+                segs = (mods[3][:, None], seg_cols[None, :])
+            else:
+                segs = (0, 0)
             s2 = masked_scores(
                 s2, rows[:, None], cols[None, :], len_q, len_k, left, right, mask_base,
-                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX,
+                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX, segs[0], segs[1],
+                HAS_SEGMENTS,
             )
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -296,8 +314,8 @@ def dq_segment(
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K, ALIBI, PREFIX,
-    q_strides, k_strides, v_strides, do_strides, dq_strides, mask_strides, alibi_strides,
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES,
+    q_strides, k_strides, v_strides, do_strides, dq_strides, mask_strides, alibi_strides, seg_q_strides, seg_k_strides,
     heads_q, group, len_q, len_k, num_row_tiles, stats_head_stride, softcap2, scale_log2, scale, left, right,
     dropout_p, keep_scale, seed,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -305,6 +323,7 @@ def attention_dq_kernel(
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
     VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype (float32 with ACCUMULATE).
 
@@ -333,7 +352,9 @@ def attention_dq_kernel(
     else:
         row_base = (b * heads_q + h) * len_q
     drop_base = (b * heads_q + h) * drop_rows
-    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI), sequence_prefix(PREFIX, b, HAS_PREFIX))
+    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI), sequence_prefix(PREFIX, b, HAS_PREFIX),
+            segment_ids(SEG_Q, seg_q_strides, b, rows, len_q, -1, HAS_SEGMENTS), SEG_K + b * seg_k_strides[0],
+            seg_k_strides[1])
     lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, len_q, True)
     k_base, ks = head_slice(K, k_strides, b, hk)
     v_base, vs = head_slice(V, v_strides, b, hk)
@@ -346,24 +367,27 @@ def attention_dq_kernel(
     )
     if HAS_PREFIX:
         lo, full_lo, full_hi, hi = with_prefix_keys((lo, full_lo, full_hi, hi), mods[2], len_k, BLOCK_N)
+    if HAS_SEGMENTS:
+        lo, full_lo, full_hi, hi = with_segment_tiles((lo, full_lo, full_hi, hi), SEG_RANGES, b, m0 // BLOCK_M,
+                                                      num_row_tiles)
     # Masked edge tiles, full tiles (no per-element test), masked diagonal / tail tiles.
     dq = dq_segment(
         dq, q, do, lse2, delta, k_src, v_src, ks, vs, lo, full_lo, rows, offs_n, offs_d, offs_dv,
         len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale, drop_base,
         drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
-        DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+        DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX, HAS_SEGMENTS,
     )
     dq = dq_segment(
         dq, q, do, lse2, delta, k_src, v_src, ks, vs, full_lo, full_hi, rows, offs_n, offs_d,
         offs_dv, len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale,
         drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT,
-        USE_TMA, DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+        USE_TMA, DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX, HAS_SEGMENTS,
     )
     dq = dq_segment(
         dq, q, do, lse2, delta, k_src, v_src, ks, vs, full_hi, hi, rows, offs_n, offs_d, offs_dv,
         len_q, len_k, left, right, scale_log2, mask_base, ms, seed, dropout_p, keep_scale, drop_base,
         drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA,
-        DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+        DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX, HAS_SEGMENTS,
     )
     dq_ptrs = head_tile_pointers(DQ, dq_strides, b, h, rows, offs_d)
     dq = dq * scale

@@ -19,7 +19,7 @@ from .tile_io import (
 )
 from .tiles import (
     LOG2E, add_sink, dropout_keep, finalize, masked_scores, query_row_tile, row_slope, score_mods, sequence_prefix,
-    sequence_span, tile_segments, with_prefix_keys,
+    segment_ids, sequence_span, tile_segments, with_prefix_keys, with_segment_tiles,
 )
 
 
@@ -32,7 +32,7 @@ def forward_segment(
     BLOCK_DV: tl.constexpr, CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
 ):
     """Fold key tiles [tile_lo, tile_hi) into (acc, m_i, l_i); CHECK_BAND masks every element."""
     k_at, k_step = tile_walk(k_src, k_strides, tile_lo, BLOCK_N, offs_n, offs_d, USE_TMA)
@@ -45,9 +45,15 @@ def forward_segment(
         if CHECK_BAND or MASK_KIND != 0 or HAS_SOFTCAP or HAS_ALIBI:
             s2, _ = score_mods(qk * scale_log2, rows[:, None], cols[None, :], len_q, len_k, mods, HAS_SOFTCAP,
                                HAS_ALIBI)
+            if HAS_SEGMENTS:
+                seg_cols = tl.load(mods[4] + cols.to(tl.int64) * mods[5], mask=cols < len_k, other=-2)
+                segs = (mods[3][:, None], seg_cols[None, :])
+            else:
+                segs = (0, 0)
             s2 = masked_scores(
                 s2, rows[:, None], cols[None, :], len_q, len_k, left, right, mask_base,
-                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX,
+                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX, segs[0], segs[1],
+                HAS_SEGMENTS,
             )
             m_new = tl.maximum(m_i, tl.max(s2, 1))
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -74,14 +80,14 @@ def forward_segment(
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_forward_kernel(
-    Q, K, V, O, LSE, MASK, CU_Q, CU_K, SINKS, ALIBI, PREFIX, q_strides, k_strides, v_strides, o_strides,
-    mask_strides, alibi_strides, heads_q, group, len_q, len_k, num_row_tiles, lse_head_stride, softcap2,
+    Q, K, V, O, LSE, MASK, CU_Q, CU_K, SINKS, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES, q_strides, k_strides, v_strides, o_strides,
+    mask_strides, alibi_strides, seg_q_strides, seg_k_strides, heads_q, group, len_q, len_k, num_row_tiles, lse_head_stride, softcap2,
     scale_log2, left, right, dropout_p, keep_scale, seed, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). Strides are (batch, head, row, col) tuples.
 
@@ -120,7 +126,9 @@ def attention_forward_kernel(
     v_src = tile_source(v_base, vv_strides, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base, mask_rc = head_slice(MASK, mask_strides, b, h)
     drop_base = (b * heads_q + h) * drop_rows
-    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI), sequence_prefix(PREFIX, b, HAS_PREFIX))
+    mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI), sequence_prefix(PREFIX, b, HAS_PREFIX),
+            segment_ids(SEG_Q, seg_q_strides, b, rows, len_q, -1, HAS_SEGMENTS), SEG_K + b * seg_k_strides[0],
+            seg_k_strides[1])
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -131,32 +139,35 @@ def attention_forward_kernel(
     )
     if HAS_PREFIX:
         lo, full_lo, full_hi, hi = with_prefix_keys((lo, full_lo, full_hi, hi), mods[2], len_k, BLOCK_N)
+    if HAS_SEGMENTS:
+        lo, full_lo, full_hi, hi = with_segment_tiles((lo, full_lo, full_hi, hi), SEG_RANGES, b, m0 // BLOCK_M,
+                                                      num_row_tiles)
     if WARP_SPECIALIZE:
         # One loop only (the compiler's warp specialization needs it): every tile masked.
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, lo, hi, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
             keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, True, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, True, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX, HAS_SEGMENTS,
         )
     else:
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, lo, full_lo, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
             keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX, HAS_SEGMENTS,
         )
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, full_lo, full_hi, rows, offs_n,
             offs_d, offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed,
             dropout_p, keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT,
-            HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+            HAS_RIGHT, MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX, HAS_SEGMENTS,
         )
         acc, m_i, l_i = forward_segment(
             acc, m_i, l_i, q, k_src, v_src, kv_strides, vv_strides, full_hi, hi, rows, offs_n, offs_d,
             offs_dv, len_q, len_k, left, right, scale_log2, mask_base, mask_rc, seed, dropout_p,
             keep_scale, drop_base, drop_cols, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX,
+            MASK_KIND, DROPOUT, USE_TMA, DOT_PRECISION, False, HAS_SOFTCAP, HAS_ALIBI, HAS_PREFIX, HAS_SEGMENTS,
         )
 
     if HAS_SINKS:

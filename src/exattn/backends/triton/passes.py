@@ -204,16 +204,56 @@ def packing_args(q: torch.Tensor, packing: Packing | None) -> tuple[torch.Tensor
 
 
 def rule_args(q: torch.Tensor, params: AttentionParams, rules) -> tuple[dict, dict]:
-    """(ALIBI / SINKS / PREFIX / softcap2 kernel arguments, their constexpr switches) for the score rules
-    the kernels serve: softcap, ALiBi slopes (B, Hq), sinks (Hq,), prefix (B,); placeholders where off."""
+    """(ALIBI / SINKS / PREFIX / SEG_Q / SEG_K / softcap2 kernel arguments, their constexpr switches) for the
+    score rules: softcap, ALiBi slopes (B, Hq), sinks (Hq,), prefix (B,), segment ids (B, Nq) and (B, Nk);
+    placeholders where off."""
     alibi = None if rules is None else rules.alibi_slopes
     sinks = None if rules is None else rules.sinks
     prefix = None if rules is None else rules.prefix
+    seg_q = None if rules is None else rules.q_segment_ids
+    seg_k = None if rules is None else rules.k_segment_ids
     softcap = params.softcap
     args = dict(ALIBI=q if alibi is None else alibi, alibi_strides=(0, 0) if alibi is None else alibi.stride(),
-                softcap2=softcap * LOG2E, PREFIX=q if prefix is None else prefix)
-    flags = dict(HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_PREFIX=prefix is not None)
+                softcap2=softcap * LOG2E, PREFIX=q if prefix is None else prefix,
+                SEG_Q=q if seg_q is None else seg_q, SEG_K=q if seg_k is None else seg_k,
+                seg_q_strides=(0, 0) if seg_q is None else seg_q.stride(),
+                seg_k_strides=(0, 0) if seg_k is None else seg_k.stride())
+    flags = dict(HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_PREFIX=prefix is not None,
+                 HAS_SEGMENTS=seg_q is not None)
     return dict(args, SINKS=q if sinks is None else sinks), dict(flags, HAS_SINKS=sinks is not None)
+
+
+def tile_id_ranges(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least and greatest segment id of each `block` positions, (B, tiles) each (the last tile padded
+    with its own last id)."""
+    batch, n = ids.shape
+    tiles = ceil_div(n, block)
+    padded = torch.cat([ids, ids[:, -1:].expand(batch, tiles * block - n)], dim=1).view(batch, tiles, block)
+    return padded.amin(-1), padded.amax(-1)
+
+
+def segment_tile_ranges(row_ids: torch.Tensor, col_ids: torch.Tensor, block_rows: int, block_cols: int):
+    """int32 (B, row tiles, 2): for each row tile, the column tiles [lo, hi) whose id ranges can meet its
+    own. Exact where a batch entry's ids never decrease (packed documents: a search over the sorted
+    per-tile ranges); elsewhere every column tile. On the device, O(B * N / block), no sync."""
+    row_lo, row_hi = tile_id_ranges(row_ids, block_rows)
+    col_lo, col_hi = tile_id_ranges(col_ids, block_cols)
+    lo = torch.searchsorted(col_hi.contiguous(), row_lo.contiguous())
+    hi = torch.searchsorted(col_lo.contiguous(), row_hi.contiguous(), right=True)
+    sorted_ids = ((row_ids[:, 1:] >= row_ids[:, :-1]).all(1) & (col_ids[:, 1:] >= col_ids[:, :-1]).all(1))[:, None]
+    lo = torch.where(sorted_ids, lo, 0)
+    hi = torch.where(sorted_ids, hi, col_lo.shape[1])
+    return torch.stack([lo, hi], dim=-1).to(torch.int32).contiguous()
+
+
+def segment_ranges(rules, q: torch.Tensor, block_rows: int, block_cols: int, keys_first: bool = False):
+    """The SEG_RANGES kernel argument: query tiles' key-tile ranges (keys_first: key tiles' query-tile
+    ranges, for the dK/dV kernel); a placeholder without segment ids."""
+    if rules is None or rules.q_segment_ids is None:
+        return q
+    rows, cols = rules.q_segment_ids, rules.k_segment_ids
+    return segment_tile_ranges(cols, rows, block_rows, block_cols) if keys_first else segment_tile_ranges(
+        rows, cols, block_rows, block_cols)
 
 
 def row_stats(q: torch.Tensor, packing: Packing | None) -> torch.Tensor:
@@ -249,7 +289,8 @@ def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | No
         q, k, v, out, lse, mask_arg, *packing_args(q, packing)[:2], q_strides=q_strides, k_strides=k_strides,
         v_strides=v_strides, o_strides=o_strides, mask_strides=mask_strides, heads_q=heads_q,
         group=heads_q // heads_k, len_q=len_q, len_k=len_k, num_row_tiles=num_tiles,
-        lse_head_stride=packing_args(q, packing)[2], **rule_kernel_args, **rule_flags, **scalar_args(params),
+        lse_head_stride=packing_args(q, packing)[2], SEG_RANGES=segment_ranges(rules, q, cfg.block_m, cfg.block_n),
+        **rule_kernel_args, **rule_flags, **scalar_args(params),
         D=dim, DV=dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v), MASK_KIND=mask_kind,
         USE_TMA=can_use_tma(q, k, v), HEAVY_FIRST=heavy_first(params),
@@ -320,8 +361,10 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dk, dv, dq_acc)]
     attention_dkdv_kernel[grid_of(col_tiles, batch * heads_k)](
         q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"],
-        rule_kernel_args["PREFIX"], *strides,
-        mask_strides, rule_kernel_args["alibi_strides"], heads_q, group, len_q, len_k, col_tiles, stats_stride,
+        rule_kernel_args["PREFIX"], rule_kernel_args["SEG_Q"], rule_kernel_args["SEG_K"],
+        segment_ranges(rules, q, cfg.block_n, cfg.block_m, keys_first=True), *strides,
+        mask_strides, rule_kernel_args["alibi_strides"], rule_kernel_args["seg_q_strides"],
+        rule_kernel_args["seg_k_strides"], heads_q, group, len_q, len_k, col_tiles, stats_stride,
         rule_kernel_args["softcap2"], **scalars, **rule_flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
         ATOMIC_DQ=atomic, ACCUMULATE=accumulate, VARLEN=packing is not None, num_warps=cfg.num_warps,
@@ -337,8 +380,9 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dq)]
     attention_dq_kernel[grid_of(row_tiles, batch * heads_q)](
         q, k, v, dout, lse, delta, dq, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], rule_kernel_args["PREFIX"],
-        *strides, mask_strides,
-        rule_kernel_args["alibi_strides"], heads_q, group, len_q, len_k, row_tiles, stats_stride,
+        rule_kernel_args["SEG_Q"], rule_kernel_args["SEG_K"], segment_ranges(rules, q, cfg.block_m, cfg.block_n),
+        *strides, mask_strides, rule_kernel_args["alibi_strides"], rule_kernel_args["seg_q_strides"],
+        rule_kernel_args["seg_k_strides"], heads_q, group, len_q, len_k, row_tiles, stats_stride,
         rule_kernel_args["softcap2"], **scalars, **rule_flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=mask_kind, USE_TMA=use_tma,
         HEAVY_FIRST=heavy_first(params), ACCUMULATE=accumulate, VARLEN=packing is not None,

@@ -149,7 +149,7 @@ def add_sink(acc, m2, l, sink2):
 def masked_scores(
     s2, rows, cols, len_q, len_k, left, right, mask_base, mask_strides,
     CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-    prefix=0, HAS_PREFIX: tl.constexpr = False,
+    prefix=0, HAS_PREFIX: tl.constexpr = False, seg_rows=0, seg_cols=0, HAS_SEGMENTS: tl.constexpr = False,
 ):
     """Base-2 scores with the user mask (1 = bool, 2 = additive bias) and, if CHECK_BAND, the band applied
     (keys j < prefix allowed whatever the band says, with HAS_PREFIX).
@@ -170,6 +170,8 @@ def masked_scores(
         allowed = band_allows(rows, cols, len_q, len_k, left, right, HAS_LEFT, HAS_RIGHT)
         if HAS_PREFIX:
             allowed = allowed | ((cols < prefix) & (cols < len_k))
+        if HAS_SEGMENTS:
+            allowed = allowed & (seg_rows == seg_cols)
         s2 = tl.where(allowed, s2, float("-inf"))
     return s2
 
@@ -181,6 +183,26 @@ def with_prefix_keys(segments, prefix, len_k, BLOCK_N: tl.constexpr):
     lo, full_lo, full_hi, hi = segments
     lo = tl.where(prefix > 0, 0, lo)
     hi = tl.maximum(hi, cdiv(tl.minimum(prefix, len_k), BLOCK_N))
+    return lo, hi, hi, hi
+
+
+@triton.jit
+def segment_ids(SEG, seg_strides, b, idx, n, other, HAS_SEGMENTS: tl.constexpr):
+    """The segment ids of positions idx of batch entry b (`other` past n; 0 without HAS_SEGMENTS)."""
+    if HAS_SEGMENTS:
+        return tl.load(SEG + b * seg_strides[0] + idx.to(tl.int64) * seg_strides[1], mask=idx < n, other=other)
+    else:
+        return 0
+
+
+@triton.jit
+def with_segment_tiles(segments, RANGES, b, tile, num_tiles):
+    """Runs narrowed to the tiles whose segment ids can match this tile's (RANGES: int32 (B, num_tiles, 2),
+    [lo, hi) per tile, from per-tile id ranges); one masked run."""
+    lo, full_lo, full_hi, hi = segments
+    at = RANGES + (b * num_tiles + tile) * 2
+    lo = tl.maximum(lo, tl.load(at))
+    hi = tl.maximum(tl.minimum(hi, tl.load(at + 1)), lo)
     return lo, hi, hi, hi
 
 
