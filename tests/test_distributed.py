@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from error_rule import assert_matches_oracle, max_abs_error
 
 import exattn
-from error_rule import assert_matches_oracle, max_abs_error
 from exattn.distributed import RingComm, ring, ring_attention, shard, unshard
 from exattn.distributed.blocks import global_band, step_blocks
 from exattn.distributed.layout import segments
@@ -139,12 +139,13 @@ def check_rotate(rank: int, world: int) -> None:
     """rotate() leaves every rank holding its previous rank's tensors, pieces of uneven sizes included."""
     def mine(r):
         return [torch.arange(10.0) + 100 * r, torch.arange(21, dtype=torch.float64).view(3, 7) - 100 * r]
-    tensors = mine(rank)
-    storage = [t.data_ptr() for t in tensors]
-    ring.rotate(RingComm(None, tag=4), tensors, pieces=3)
-    for got, expected in zip(tensors, mine((rank - 1) % world)):
-        assert torch.equal(got, expected)
-    assert [t.data_ptr() for t in tensors] == storage, "rotate must work in place"
+    for pieces in (3, 16):  # 16: chunk sizes that cut 10 and 21 elements into different counts
+        tensors = mine(rank)
+        storage = [t.data_ptr() for t in tensors]
+        ring.rotate(RingComm(None, tag=4), tensors, pieces=pieces)
+        for got, expected in zip(tensors, mine((rank - 1) % world)):
+            assert torch.equal(got, expected), f"pieces={pieces}"
+        assert [t.data_ptr() for t in tensors] == storage, "rotate must work in place"
 
 
 class SpyBackend:
@@ -214,7 +215,7 @@ def worker(rank: int, world: int, store_path: str) -> None:
     for name, check in checks:  # every rank runs every check, so one failure cannot hang the ring
         try:
             check()
-        except Exception:
+        except Exception:  # noqa: BLE001 - reported after the barrier, so no rank hangs
             failures.append(f"rank {rank}/{world} {name}:\n{traceback.format_exc()}")
     dist.barrier()
     dist.destroy_process_group()

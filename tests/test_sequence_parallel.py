@@ -20,19 +20,27 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from error_rule import assert_matches_oracle, max_abs_error
 from torch.distributed.device_mesh import init_device_mesh
 
 import exattn
-from error_rule import assert_matches_oracle, max_abs_error
 from exattn.distributed import (
-    MemoryLedger, mesh_shard, ring, ring_attention, sequence_parallel_attention, shard,
-    single_device_ledger, ulysses_attention, ulysses_attention_varlen,
+    MemoryLedger,
+    mesh_shard,
+    ring,
+    ring_attention,
+    sequence_parallel_attention,
+    shard,
+    single_device_ledger,
+    ulysses_attention,
+    ulysses_attention_varlen,
 )
 from exattn.reference import attention_ref
 
@@ -304,12 +312,12 @@ def worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     for name, check in checks:  # every rank runs every check, so one failure cannot hang the others
         try:
             check()
-        except Exception:
+        except Exception:  # noqa: BLE001 - reported after the barrier, so no rank hangs
             failures.append(f"rank {rank}/{world} {name}:\n{traceback.format_exc()}")
     dist.barrier()
     try:  # last: it leaves its own group broken
         check_rank_fails_mid_ring(rank, world)
-    except Exception:
+    except Exception:  # noqa: BLE001 - reported after the barrier, so no rank hangs
         failures.append(f"rank {rank}/{world} fault:\n{traceback.format_exc()}")
     with open(os.path.join(out_dir, f"ratios-{rank}.txt"), "w") as f:
         f.write(repr(results))
@@ -322,7 +330,7 @@ def worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 def spawn(world: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world, join=True)
-        ratios = [open(os.path.join(tmp, f"ratios-{r}.txt")).read() for r in range(world)]
+        ratios = [Path(tmp, f"ratios-{r}.txt").read_text() for r in range(world)]
     print(f"world {world} ledger peak / single-device figure per rank: {ratios}")
 
 

@@ -15,6 +15,10 @@ collapses to one call (a diagonal step is ordinary causal over the whole
 shard; a step from an earlier rank sees the first key chunk fully; a step from
 a later rank is seen fully by the second query chunk), which `step_blocks`
 finds by trying to cover all segment pairs with a single band.
+
+A prefix (keys before global position P allowed to every query) adds one full
+call over the step's keys before P and leaves the band to the keys after it
+(`prefix_step_blocks`): the two sets are disjoint, so each pair is merged once.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ FULL = (UNBOUNDED, UNBOUNDED)
 
 
 class Block(NamedTuple):
-    """One local attention call: shard rows x shard columns under `window`."""
+    """One local attention call: shard rows x shard columns under `window`, for the batch entries `batch`."""
 
     rows: slice
     cols: slice
     window: tuple[int, int]
+    batch: slice = slice(None)
 
 
 Band = tuple  # (lo, hi): row a sees column b iff lo <= b - a <= hi; None = unbounded
@@ -125,3 +130,22 @@ def step_blocks(q_segs: list[Segment], k_segs: list[Segment], band: Band | None)
         return [] if block is None else [block]
     blocks = [band_block(qs.local, qs.length, ks.local, ks.length, pair_band(qs, ks, band)) for qs, ks in seen]
     return [b for b in blocks if b is not None]
+
+
+def after(segment: Segment, position: int) -> Segment:
+    """The part of `segment` at global positions >= `position` (possibly empty)."""
+    skip = min(max(position - segment.start, 0), segment.length)
+    return Segment(segment.local + skip, segment.start + skip, segment.length - skip)
+
+
+def prefix_step_blocks(q_segs: list[Segment], k_segs: list[Segment], band: Band | None, prefix: int,
+                       batch: slice = slice(None)) -> list[Block]:
+    """`step_blocks` where keys at global positions < `prefix` are also allowed to every query: a full
+    call over those keys of each segment, and the band's calls over the keys after them (disjoint)."""
+    if band is None or prefix <= 0:
+        return [b._replace(batch=batch) for b in step_blocks(q_segs, k_segs, band)]
+    len_q = sum(s.length for s in q_segs)
+    rest = [after(s, prefix) for s in k_segs]
+    blocks = [Block(slice(0, len_q), slice(s.local, r.local), FULL, batch)
+              for s, r in zip(k_segs, rest) if r.local > s.local and len_q]
+    return blocks + [b._replace(batch=batch) for b in step_blocks(q_segs, [r for r in rest if r.length], band)]

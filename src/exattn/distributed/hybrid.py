@@ -24,6 +24,7 @@ from ..attention import attention as local_attention
 from .layout import check_layout, shard
 from .ledger import MemoryLedger
 from .ring import check_bool, ring_call
+from .score_rules import refuse_alibi
 from .ulysses import ulysses_call
 
 try:
@@ -32,6 +33,7 @@ except ImportError:  # pragma: no cover - torch without device meshes
     DeviceMesh = None
 
 MESH_DIMS = ("ring", "ulysses")
+WHAT = "sequence_parallel_attention"
 
 
 def mesh_groups(mesh: object, device: torch.device):
@@ -70,7 +72,8 @@ def mesh_shard(x: torch.Tensor, mesh, layout: str = "zigzag", dim: int = 2) -> t
 
 def sequence_parallel_attention(q, k, v, *, mesh=None, causal=False, window=None, scale=None, layout="zigzag",
                                 return_lse=False, pieces=None, ledger: MemoryLedger | None = None,
-                                validate=True):
+                                validate=True, segment_ids=None, prefix=None, softcap=0.0, alibi_slopes=None,
+                                sinks=None):
     """Exact attention over a sequence sharded across a 2-D mesh (Ulysses x ring), or one device.
 
     Args:
@@ -85,34 +88,44 @@ def sequence_parallel_attention(q, k, v, *, mesh=None, causal=False, window=None
         return_lse: also return lse (B, Hq, Nq / (R U)), natural log, float32.
         pieces, ledger, validate: as in `ring_attention` (the ledger also records
             the all-to-all buffers; the ring's under "ring.").
+        segment_ids: this process's part of the ids, cut like q and k
+            (`mesh_shard(ids, mesh, layout, dim=1)`); a pair (q ids, k ids) or one tensor.
+        prefix, softcap, sinks: as in `exattn.attention`; sinks whole on every process, whose
+            gradient is that of the whole attention on every process.
+        alibi_slopes: taken when R == 1 (plain Ulysses); refused (ValueError) with a ring.
 
     Returns:
-        out (B, Hq, Nq / (R U), Dv) in q's dtype, or (out, lse). Differentiable in q, k, v.
+        out (B, Hq, Nq / (R U), Dv) in q's dtype, or (out, lse). Differentiable in q, k, v, sinks.
     """
     return_lse = check_bool("return_lse", return_lse)
     layout = check_layout(layout)
+    rules = {"segment_ids": segment_ids, "prefix": prefix, "softcap": softcap, "alibi_slopes": alibi_slopes,
+             "sinks": sinks}
     if mesh is None:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(
                 f"mesh is None but torch.distributed runs {dist.get_world_size()} processes: pass the "
                 "2-D DeviceMesh the sequence is sharded over (a (1, 1) mesh for one process)"
             )
-        out, lse = local_attention(q, k, v, causal=causal, window=window, scale=scale, return_lse=True)
+        out, lse = local_attention(q, k, v, causal=causal, window=window, scale=scale, return_lse=True, **rules)
         return (out, lse) if return_lse else out
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     (ring_group, ring, _), (uly_group, uly, _) = mesh_groups(mesh, q.device)
-    ring_args = dict(causal=causal, window=window, scale=scale, layout=layout, pieces=pieces, validate=validate)
+    ring_args = {"causal": causal, "window": window, "scale": scale, "layout": layout, "pieces": pieces,
+                 "validate": validate, "what": WHAT}
+    if ring > 1:
+        refuse_alibi(WHAT, alibi_slopes)
     if uly == 1:
-        out, lse = ring_call(q, k, v, group=ring_group, ledger=ledger, **ring_args)
+        out, lse = ring_call(q, k, v, group=ring_group, ledger=ledger, **ring_args, **rules)
         lse = lse.to(torch.float32)
     else:
         local = None
         if ring > 1:
-            def local(q_h, k_h, v_h):
+            def local(q_h, k_h, v_h, **head_rules):
                 return ring_call(q_h, k_h, v_h, group=ring_group, ledger=ledger, record_inputs=False,
-                                 ledger_prefix="ring.", **ring_args)
+                                 ledger_prefix="ring.", **ring_args, **head_rules)
         out, lse = ulysses_call(q, k, v, causal=causal, window=window, scale=scale, group=uly_group,
-                                backend="auto", ledger=ledger, validate=validate, local_kwargs={}, local=local,
-                                what="sequence_parallel_attention")
+                                backend="auto", ledger=ledger, validate=validate, local_kwargs={}, rules=rules,
+                                local=local, what=WHAT)
     return (out, lse) if return_lse else out

@@ -14,7 +14,8 @@ chunk, so every rank does the same work. For W = 2 (chunks a b c d):
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

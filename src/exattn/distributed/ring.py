@@ -22,6 +22,12 @@ uses the global out and lse, so `delta = rowsum(dO * O)` is that of the full
 attention and the block gradients simply add up: the local backward adds them
 straight into the float32 dQ and dK/dV accumulators (`accumulate_into`).
 
+Score rules (`score_rules.py`): softcap applies in every call; segment ids are
+sliced per call from this rank's query ids and the visiting shard's key ids (all
+ranks' key ids are all-gathered once); a prefix is planned (`blocks.prefix_step_blocks`,
+per run of batch entries with one prefix); the sink starts the running summary,
+and its gradient is summed over the ring. ALiBi is refused.
+
 What stays in float32 and why (the exactness argument): the running summary of
 the forward (the output is a sum of W*pieces rescaled partial outputs), dQ (a
 sum over every key of the sequence, W*pieces calls) and the travelling dK/dV
@@ -41,7 +47,8 @@ length (`ledger.single_device_ledger`). Every buffer is recorded in an optional
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Literal, overload
 
 import torch
@@ -49,11 +56,30 @@ import torch.distributed as dist
 
 from ..algebra import NEG_INF, BlockSummary, empty_summary, finalize_, merge_
 from ..backends import get_backend
-from ..problem import AttentionParams, check_qkv, check_scale, check_window, compute_dtype, make_problem
-from .blocks import FULL, Block, band_block, global_band, step_blocks
+from ..backends.autograd import row_delta
+from ..masks import sinks_grad
+from ..problem import (
+    AttentionParams,
+    ScoreRules,
+    check_qkv,
+    check_scale,
+    check_window,
+    compute_dtype,
+    make_problem,
+)
+from .blocks import FULL, Block, band_block, global_band, prefix_step_blocks
 from .checks import agree, peer_failure
 from .layout import LAYOUTS, Segment, check_layout, segments
-from .ledger import MemoryLedger, NullLedger, Prefixed, as_ledger
+from .ledger import MemoryLedger, NullLedger, Prefixed, as_ledger, nbytes
+from .score_rules import (
+    RuleTensor,
+    SegmentIds,
+    check_shard_rules,
+    gather,
+    refuse_alibi,
+    rule_flags,
+    sum_over,
+)
 
 
 class RingComm:
@@ -141,6 +167,16 @@ class Piece:
 
 
 @dataclass
+class RingRules:
+    """The score rules the passes read (prefix and softcap are planned into the calls):
+    this rank's query ids (B, n_q), every rank's key ids [(B, n_k)] in rank order, the sinks (Hq,)."""
+
+    q_ids: torch.Tensor | None = None
+    k_ids: list[torch.Tensor] | None = None
+    sinks: torch.Tensor | None = None
+
+
+@dataclass
 class RingPlan:
     """Everything the passes need: the group, the local backend, each pass's pieces and calls."""
 
@@ -153,6 +189,8 @@ class RingPlan:
     backward_pieces: list[Piece]
     ledger: MemoryLedger | NullLedger
     record_inputs: bool = True
+    rules: RingRules = field(default_factory=RingRules)
+    what: str = "ring_attention"
 
 
 def local_backend_name(q, k, v, causal: bool, scale: float) -> str:
@@ -176,7 +214,9 @@ def cut(segs: list[Segment], j: int, count: int) -> tuple[list[Segment], list[sl
     return packed, cols
 
 
-def plan_pieces(rank, world, len_q, len_k, layout, band, scale, count) -> list[Piece]:
+def plan_pieces(rank, world, len_q, len_k, layout, band, params: AttentionParams, count,
+                runs: list[tuple[slice, int]]) -> list[Piece]:
+    """The pieces of one pass, each with every step's calls; `runs`: (batch entries, their prefix)."""
     q_segs = segments(rank, world, len_q, layout)
     pieces = []
     for j in range(count):
@@ -184,32 +224,62 @@ def plan_pieces(rank, world, len_q, len_k, layout, band, scale, count) -> list[P
         piece = Piece(cols, sum(c.stop - c.start for c in cols))
         for step in range(world):
             k_segs, _ = cut(segments((rank - step) % world, world, len_k, layout), j, count)
-            blocks = step_blocks(q_segs, k_segs, band)
-            piece.steps.append([(b, AttentionParams(scale=scale, window=b.window)) for b in blocks])
+            blocks = [b for batch, prefix in runs for b in prefix_step_blocks(q_segs, k_segs, band, prefix, batch)]
+            piece.steps.append([(b, replace(params, window=b.window)) for b in blocks])
         pieces.append(piece)
     return pieces
 
 
-def make_plan(q, k, v, causal, window, scale, layout, group, pieces, ledger, record_inputs=True) -> RingPlan:
+def prefix_runs(prefix: object, batch: int) -> list[tuple[slice, int]]:
+    """The batch cut into runs of entries that share one prefix (0: none): the prefix read to the host."""
+    if prefix is None or isinstance(prefix, int):
+        return [(slice(None), prefix or 0)]
+    values = prefix.tolist()
+    starts = [b for b in range(batch) if b == 0 or values[b] != values[b - 1]]
+    if len(starts) == 1:
+        return [(slice(None), values[0])]
+    return [(slice(a, b), values[a]) for a, b in zip(starts, [*starts[1:], batch])]
+
+
+def make_plan(q, k, v, causal, window, scale, layout, group, pieces, ledger, record_inputs=True, softcap=0.0,
+              runs=None, rules=None, what="ring_attention") -> RingPlan:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
-        raise ValueError("group does not contain this process; call ring_attention only on its members")
+        raise ValueError(f"group does not contain this process; call {what} only on its members")
     len_q, len_k = q.shape[2] * world, k.shape[2] * world
     band = global_band(len_q, len_k, window)
     segment_length = k.shape[2] // (1 if layout == "contiguous" else 2)
     forward, backward = check_pieces(pieces, segment_length)
     backend = get_backend(local_backend_name(q, k, v, causal, scale))
+    params = AttentionParams(scale=scale, softcap=softcap)
+    runs = runs or [(slice(None), 0)]
     return RingPlan(
         group, world, rank, backend, compute_dtype(q.dtype),
-        plan_pieces(rank, world, len_q, len_k, layout, band, scale, forward),
-        plan_pieces(rank, world, len_q, len_k, layout, band, scale, backward),
-        ledger, record_inputs,
+        plan_pieces(rank, world, len_q, len_k, layout, band, params, forward, runs),
+        plan_pieces(rank, world, len_q, len_k, layout, band, params, backward, runs),
+        ledger, record_inputs, rules or RingRules(), what,
     )
 
 
-def part(x: torch.Tensor, s: slice) -> torch.Tensor:
-    """Sequence slice of a (B, H, N, ...) tensor: a view (both local backends take any strides)."""
-    return x[:, :, s]
+def part(x: torch.Tensor, s: slice, batch: slice = slice(None)) -> torch.Tensor:
+    """Sequence slice of a (B, H, N, ...) tensor, for the batch entries `batch`: a view (both local
+    backends take any strides)."""
+    return x[batch, :, s]
+
+
+def visiting_ids(plan: RingPlan, piece: Piece, step: int) -> torch.Tensor | None:
+    """The segment ids (B, piece length) of the keys that visit in `step`, packed as the piece packs them."""
+    if plan.rules.k_ids is None:
+        return None
+    ids = plan.rules.k_ids[(plan.rank - step) % plan.world]
+    return torch.cat([ids[:, c] for c in piece.cols], dim=1)
+
+
+def block_rules(plan: RingPlan, k_ids: torch.Tensor | None, batch: slice, rows: slice, cols: slice) -> dict:
+    """The `rules` keyword of one local call: its rows' and columns' segment ids, or nothing."""
+    if k_ids is None:
+        return {}
+    return {"rules": ScoreRules(plan.rules.q_ids[batch, rows], k_ids[batch, cols])}
 
 
 def front(buffer: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -258,11 +328,20 @@ def as_state(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> BlockS
     return BlockSummary(lse, (lse != NEG_INF).to(dtype), out)
 
 
+def initial_state(rows: tuple[int, ...], value_dim: int, dtype, device, sinks) -> BlockSummary:
+    """The merge's starting summary for `rows` (B, Hq, n): empty, or the sink (a key of logit sinks[h]
+    and value 0), which so joins each row's softmax once."""
+    if sinks is None:
+        return empty_summary(rows, value_dim, dtype, device)
+    m = sinks.detach().to(dtype).view(1, -1, 1).expand(rows).contiguous()
+    return BlockSummary(m, (m != NEG_INF).to(dtype), torch.zeros(*rows, value_dim, dtype=dtype, device=device))
+
+
 def ring_forward(q, k, v, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, Hq, n, Dv) in q's dtype and lse (B, Hq, n) in the compute dtype, for this rank's queries."""
     ledger = plan.ledger
     comm = RingComm(plan.group, tag=0)
-    state = empty_summary(q.shape[:3], v.shape[3], plan.dtype, q.device)
+    state = initial_state(q.shape[:3], v.shape[3], plan.dtype, q.device, plan.rules.sinks)
     for name, x in zip(("state.m", "state.l", "state.u"), state):
         ledger.add(name, x)
     buffers = KVBuffers(k, v, plan.forward_pieces, ledger, "fwd.kv")
@@ -271,13 +350,16 @@ def ring_forward(q, k, v, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
         for step, calls in enumerate(piece.steps):
             if step + 1 < plan.world:
                 comm.post(kv, into=buffers.like(kv, (step + 1) % 2))
+            k_ids = visiting_ids(plan, piece, step)
             for block, params in calls:
+                rows, cols, batch = block.rows, block.cols, block.batch
                 out, lse = plan.backend.forward(
-                    part(q, block.rows), part(kv[0], block.cols), part(kv[1], block.cols), None, params
+                    part(q, rows, batch), part(kv[0], cols, batch), part(kv[1], cols, batch), None, params,
+                    **block_rules(plan, k_ids, batch, rows, cols),
                 )
                 ledger.add("step.out", out)
                 ledger.add("step.lse", lse)
-                rows = BlockSummary(*(part(x, block.rows) for x in state))
+                rows = BlockSummary(*(part(x, rows, batch) for x in state))
                 merge_(rows, as_state(out, lse, plan.dtype))
                 del out, lse
                 ledger.free("step.out", "step.lse")
@@ -311,7 +393,8 @@ def rotate(comm: RingComm, tensors: list[torch.Tensor], pieces: int = ROTATE_PIE
     if comm.world == 1:
         return
     ledger = ledger or NullLedger()
-    chunked = [t.view(-1).chunk(pieces) for t in tensors]
+    count = max(1, min(pieces, *(t.numel() for t in tensors)))
+    chunked = [t.view(-1).tensor_split(count) for t in tensors]  # the same count for every tensor
     staging = [torch.empty_like(c[0]) for c in chunked]
     for i, s in enumerate(staging):
         ledger.add(f"rotate.staging{i}", s)
@@ -324,7 +407,7 @@ def rotate(comm: RingComm, tensors: list[torch.Tensor], pieces: int = ROTATE_PIE
 
 def row_chunks(rows: int, count: int) -> list[slice]:
     bounds = [rows * i // count for i in range(count + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [slice(a, b) for a, b in pairwise(bounds) if b > a]
 
 
 def block_band(block: Block) -> tuple:
@@ -341,12 +424,12 @@ def split_rows(block: Block, chunk: slice) -> Block | None:
     if stop <= start:
         return None
     if block.window == FULL:
-        return Block(slice(start - chunk.start, stop - chunk.start), block.cols, FULL)
+        return Block(slice(start - chunk.start, stop - chunk.start), block.cols, FULL, block.batch)
     shift = start - block.rows.start
     lo, hi = block_band(block)
     band = (None if lo is None else lo + shift, None if hi is None else hi + shift)
     sub = band_block(start - chunk.start, stop - start, block.cols.start, block.cols.stop - block.cols.start, band)
-    return sub
+    return None if sub is None else sub._replace(batch=block.batch)
 
 
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
@@ -372,7 +455,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
     ledger.add("dkv_acc.k", flat[0])
     ledger.add("dkv_acc.v", flat[1])
     buffers = KVBuffers(k, v, plan.backward_pieces, ledger, "bwd.kv")
-    delta_bytes = q.shape[0] * q.shape[1] * torch.empty((), dtype=plan.dtype).element_size()
+    delta_bytes = q.shape[1] * torch.empty((), dtype=plan.dtype).element_size()
     for j, piece in enumerate(plan.backward_pieces):
         kv = buffers.pack(k, v, piece, 0)
         dkv = [front(f, (*x.shape[:2], piece.length, x.shape[3])).zero_() for f, x in zip(flat, (k, v))]
@@ -381,18 +464,20 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
                 rotate(grad_comm, dkv, ledger=ledger, where=f"moving dK/dV in backward piece {j}, step {step}")
             if step + 1 < plan.world:
                 kv_comm.post(kv, into=buffers.like(kv, (step + 1) % 2))
+            k_ids = visiting_ids(plan, piece, step)
             for block, params in calls:
                 for chunk, acc in zip(chunks, dq_acc):
                     sub = split_rows(block, chunk) if len(chunks) > 1 else block
                     if sub is None:
                         continue
-                    r = slice(sub.rows.start + chunk.start, sub.rows.stop + chunk.start)
-                    c = sub.cols
-                    sub_params = params if sub is block else AttentionParams(scale=params.scale, window=sub.window)
-                    ledger.add("step.delta", delta_bytes * (r.stop - r.start))
+                    r, c, b = slice(sub.rows.start + chunk.start, sub.rows.stop + chunk.start), sub.cols, sub.batch
+                    sub_params = params if sub is block else replace(params, window=sub.window)
+                    ledger.add("step.delta", delta_bytes * len(range(q.shape[0])[b]) * (r.stop - r.start))
                     plan.backend.backward(
-                        part(dout, r), part(q, r), part(kv[0], c), part(kv[1], c), None, part(out, r),
-                        part(lse, r), sub_params, accumulate_into=(part(acc, sub.rows), part(dkv[0], c), part(dkv[1], c)),
+                        part(dout, r, b), part(q, r, b), part(kv[0], c, b), part(kv[1], c, b), None,
+                        part(out, r, b), part(lse, r, b), sub_params,
+                        accumulate_into=(part(acc, sub.rows, b), part(dkv[0], c, b), part(dkv[1], c, b)),
+                        **block_rules(plan, k_ids, b, r, c),
                     )
                     ledger.free("step.delta")
             if step + 1 < plan.world:
@@ -430,13 +515,16 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
 
 
 class RingAttention(torch.autograd.Function):
-    """Autograd over the ring: saves q, k, v, the global out and lse; no N x N tensor."""
+    """Autograd over the ring: saves q, k, v, the global out and lse; no N x N tensor.
+    `sinks` (Hq,) or None is `plan.rules.sinks` again, an input so that it gets its gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan):
+    def forward(ctx, q, k, v, sinks, plan: RingPlan):
         if plan.record_inputs:
             for name, x in (("q", q), ("k", k), ("v", v)):
                 plan.ledger.add(name, x)
+        if plan.rules.k_ids is not None:
+            plan.ledger.add("k_segment_ids", sum(nbytes(x) for x in plan.rules.k_ids))
         out, lse = ring_forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
@@ -446,10 +534,22 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        if ctx.plan.record_inputs:
-            ctx.plan.ledger.add("dout", dout)
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
-        return dq, dk, dv, None
+        plan = ctx.plan
+        if plan.record_inputs:
+            plan.ledger.add("dout", dout)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, plan)
+        if plan.rules.k_ids is not None:
+            plan.ledger.free("k_segment_ids")
+        return dq, dk, dv, ring_sinks_grad(dout, out, lse, plan), None
+
+
+def ring_sinks_grad(dout, out, lse, plan: RingPlan) -> torch.Tensor | None:
+    """d loss / d sinks (Hq,) of the whole attention: this rank's rows' part, summed over the ring."""
+    sinks = plan.rules.sinks
+    if sinks is None:
+        return None
+    local = sinks_grad(sinks.detach(), lse, row_delta(dout, out, lse.dtype), head_dim=1)
+    return sum_over(local, plan.group, plan.what)
 
 
 def check_group(group: object, what: str = "ring_attention") -> None:
@@ -483,7 +583,8 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def ring_call(q, k, v, *, causal, window, scale, group, layout, pieces, ledger, validate, record_inputs=True,
-              ledger_prefix=""):
+              ledger_prefix="", what="ring_attention", segment_ids=None, prefix=None, softcap=0.0,
+              alibi_slopes=None, sinks=None):
     """Checked arguments -> (out, lse in the compute dtype): the body of `ring_attention`, also the hybrid's."""
     check_qkv(q, k, v)
     causal = check_bool("causal", causal)
@@ -491,16 +592,26 @@ def ring_call(q, k, v, *, causal, window, scale, group, layout, pieces, ledger, 
     scale = check_scale(scale, q.shape[3])
     layout = check_layout(layout)
     check_zigzag_lengths(layout, q=q, k=k)
-    check_group(group)
+    check_group(group, what)
+    refuse_alibi(what, alibi_slopes)
+    rules, softcap = check_shard_rules(what, q, k, segment_ids=segment_ids, prefix=prefix, softcap=softcap,
+                                       sinks=sinks)
+    runs = prefix_runs(prefix if rules is None or isinstance(prefix, int) else rules.prefix, q.shape[0])
     ledger = as_ledger(ledger)
     if ledger_prefix:
         ledger = Prefixed(ledger, ledger_prefix)
     if check_bool("validate", validate):
-        agree("ring_attention", group, q.device, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
+        agree(what, group, q.device, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
               dtype=q.dtype, window=window, scale=scale, layout=LAYOUTS.index(layout),
-              pieces=(-1, -1) if pieces is None else pieces)
-    plan = make_plan(q, k, v, causal, window, scale, layout, group, pieces, ledger, record_inputs)
-    return RingAttention.apply(q, k, v, plan)
+              pieces=(-1, -1) if pieces is None else pieces, score_rules=rule_flags(rules, softcap),
+              prefix=[p for _, p in runs])
+    ring_rules = RingRules()
+    if rules is not None:
+        k_ids = None if rules.k_segment_ids is None else gather(rules.k_segment_ids, group, what)
+        ring_rules = RingRules(rules.q_segment_ids, k_ids, rules.sinks)
+    plan = make_plan(q, k, v, causal, window, scale, layout, group, pieces, ledger, record_inputs, softcap, runs,
+                     ring_rules, what)
+    return RingAttention.apply(q, k, v, ring_rules.sinks, plan)
 
 
 @overload
@@ -508,7 +619,9 @@ def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
     window: tuple[int, int] | None = ..., scale: float | None = ..., group=..., layout: str = ...,
     return_lse: Literal[False] = ..., pieces: tuple[int, int] | None = ...,
-    ledger: MemoryLedger | None = ..., validate: bool = ...,
+    ledger: MemoryLedger | None = ..., validate: bool = ..., segment_ids: SegmentIds = ...,
+    prefix: int | torch.Tensor | None = ..., softcap: float = ..., alibi_slopes: RuleTensor = ...,
+    sinks: RuleTensor = ...,
 ) -> torch.Tensor: ...
 
 
@@ -517,12 +630,15 @@ def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
     window: tuple[int, int] | None = ..., scale: float | None = ..., group=..., layout: str = ...,
     return_lse: Literal[True], pieces: tuple[int, int] | None = ...,
-    ledger: MemoryLedger | None = ..., validate: bool = ...,
+    ledger: MemoryLedger | None = ..., validate: bool = ..., segment_ids: SegmentIds = ...,
+    prefix: int | torch.Tensor | None = ..., softcap: float = ..., alibi_slopes: RuleTensor = ...,
+    sinks: RuleTensor = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def ring_attention(q, k, v, *, causal=False, window=None, scale=None, group=None, layout="contiguous",
-                   return_lse=False, pieces=None, ledger=None, validate=True):
+                   return_lse=False, pieces=None, ledger=None, validate=True, segment_ids=None, prefix=None,
+                   softcap=0.0, alibi_slopes=None, sinks=None):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
     Every rank of `group` calls this with its own shard (`shard(x, rank, world, layout)`):
@@ -544,15 +660,25 @@ def ring_attention(q, k, v, *, causal=False, window=None, scale=None, group=None
             (2, 16), fewer for short shards. More pieces, less memory, smaller calls.
         ledger: a `MemoryLedger` that records every buffer this rank holds, forward and backward.
         validate: first check, with one small all_gather, that every rank passes the same
-            shapes, dtype, window, scale and layout (a mismatch raises ValueError on every rank).
+            shapes, dtype, window, scale, layout and score rules (a mismatch raises ValueError
+            on every rank).
+        segment_ids: int32 (B, Nq / W) and (B, Nk / W) as a pair, or one (B, N / W): this rank's
+            shard of the ids, cut like q and k (`shard(ids, rank, world, layout, dim=1)`); the
+            key ids of every rank are all-gathered once (B x Nk int32 per rank).
+        prefix: int or int32 (B,), global key positions j < prefix[b] allowed to every query
+            (read to the host: a sync on GPUs).
+        softcap: as in `exattn.attention`.
+        alibi_slopes: refused (ValueError): a step sees shard positions, not global distances.
+        sinks: float32 (Hq,), differentiable; every rank gets the gradient of the whole attention.
 
     Returns:
         out (B, Hq, Nq / W, Dv) in q's dtype for this rank's queries, or (out, lse).
-        Differentiable with respect to q, k, v (each rank gets its shards' gradients).
+        Differentiable with respect to q, k, v (each rank gets its shards' gradients) and sinks.
     """
     return_lse = check_bool("return_lse", return_lse)
     out, lse = ring_call(q, k, v, causal=causal, window=window, scale=scale, group=group, layout=layout,
-                         pieces=pieces, ledger=ledger, validate=validate)
+                         pieces=pieces, ledger=ledger, validate=validate, segment_ids=segment_ids, prefix=prefix,
+                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if not return_lse:
         return out
     return out, lse.to(torch.float32)

@@ -26,19 +26,42 @@ back copies only where heads cannot be merged without one (batch > 1).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Literal, overload
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
 
 from ..attention import attention as local_attention
 from ..attention import explain_backend
-from ..problem import check_qkv, check_scale, check_window, compute_dtype
-from ..varlen import attention_varlen, explain_varlen_backend
+from ..problem import (
+    ScoreRules,
+    check_qkv,
+    check_scale,
+    check_score_rules,
+    check_softcap,
+    check_window,
+    compute_dtype,
+)
+from ..varlen import (
+    attention_varlen,
+    check_max_seqlen,
+    check_offsets,
+    explain_varlen_backend,
+)
 from .checks import agree, peer_failure
 from .ledger import MemoryLedger, NullLedger, as_ledger, tensor_bytes
 from .ring import check_bool, check_group
+from .score_rules import (
+    RuleTensor,
+    SegmentIds,
+    check_shard_rules,
+    gather,
+    head_group,
+    rule_flags,
+    ulysses_rules,
+)
 
 
 def exchange(send: torch.Tensor, group, what: str) -> torch.Tensor:
@@ -107,7 +130,7 @@ class UlyssesSpec:
     seq_dim: int
     head_dim: int
     lse_dims: tuple[int, int]  # (seq, head) of the lse
-    local: Callable  # (q_h, k_h, v_h) -> (out_h, lse_h)
+    local: Callable  # (q_h, k_h, v_h, **rules, sinks=) -> (out_h, lse_h)
     replicas: int
     ledger: MemoryLedger | NullLedger
     # The local backend's name, for the ledger's model of the local call (from `explain`, on the
@@ -116,6 +139,8 @@ class UlyssesSpec:
     what: str = "ulysses_attention"
     record_inputs: bool = True
     backend: str = ""
+    rules: dict = field(default_factory=dict)  # the local call's score-rule keywords, sinks apart
+    heads: slice = field(default_factory=lambda: slice(None))  # this rank's query heads (its part of the sinks)
 
     @property
     def prefix(self) -> str:
@@ -142,10 +167,11 @@ def model_local_backward(ledger, spec: UlyssesSpec, leaves, out_h) -> None:
 
 
 class UlyssesAttention(torch.autograd.Function):
-    """All-to-all to head shards, local attention (its own autograd graph), all-to-all back."""
+    """All-to-all to head shards, local attention (its own autograd graph), all-to-all back.
+    `sinks` (Hq,) or None: the local call takes this rank's heads of it; their gradients are gathered."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: UlyssesSpec):
+    def forward(ctx, q, k, v, sinks, spec: UlyssesSpec):
         ledger, world = spec.ledger, spec.world
         seq, head = spec.seq_dim, spec.head_dim
         if spec.record_inputs:
@@ -161,10 +187,15 @@ class UlyssesAttention(torch.autograd.Function):
             del k, v
             ledger.free("k_replicated", "v_replicated")
         leaves = [x.detach().requires_grad_() for x in heads]
+        if sinks is not None:
+            leaves.append(sinks.detach()[spec.heads].requires_grad_())
+        rules = dict(spec.rules, sinks=leaves[3] if sinks is not None else None)
+        if "segment_ids" in spec.rules:
+            ledger.add("segment_ids", sum(tensor_bytes(x.shape, x.dtype) for x in set(spec.rules["segment_ids"])))
         if spec.explain is not None:
-            spec.backend = spec.explain(*heads)
+            spec.backend = spec.explain(*heads, **rules)
         with torch.enable_grad():
-            out_h, lse_h = spec.local(*leaves)
+            out_h, lse_h = spec.local(*leaves[:3], **rules)
         if spec.backend != "ring":
             ledger.add("local.out", out_h)
             ledger.add("local.lse", lse_h)
@@ -187,11 +218,13 @@ class UlyssesAttention(torch.autograd.Function):
             ledger.add("dout", dout)
         dout_h = to_heads(dout, spec.group, world, seq, head, ledger, "dout_heads", spec.what)
         if spec.backend != "ring":
-            model_local_backward(ledger, spec, leaves, out_h)
+            model_local_backward(ledger, spec, leaves[:3], out_h)
         grads = torch.autograd.grad(out_h, leaves, dout_h)
         del dout_h, out_h, leaves
         p = spec.prefix
         ledger.free("dout_heads", f"{p}out", f"{p}lse", "q_heads", "k_heads", "v_heads")
+        if "segment_ids" in spec.rules:
+            ledger.free("segment_ids")
         results = []
         for name, g in zip(("dq", "dk", "dv"), grads):
             r = to_seq(g, spec.group, world, seq, head, ledger, name if spec.replicas == 1 or name == "dq"
@@ -202,9 +235,10 @@ class UlyssesAttention(torch.autograd.Function):
                 ledger.add(name, r)
                 ledger.free(f"{name}_replicated")
             results.append(r)
+        dsinks = torch.cat(gather(grads[3], spec.group, spec.what)) if len(grads) > 3 else None
         grads = None
         ledger.step("ulysses backward")
-        return (*results, None)
+        return (*results, dsinks, None)
 
 
 def check_no_dropout(kwargs: dict, what: str) -> None:
@@ -222,7 +256,9 @@ def ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
     window: tuple[int, int] | None = ..., scale: float | None = ..., group=...,
     return_lse: Literal[False] = ..., backend: str = ..., ledger: MemoryLedger | None = ...,
-    validate: bool = ..., **local_kwargs,
+    validate: bool = ..., segment_ids: SegmentIds = ...,
+    prefix: int | torch.Tensor | None = ..., softcap: float = ..., alibi_slopes: RuleTensor = ...,
+    sinks: RuleTensor = ..., **local_kwargs,
 ) -> torch.Tensor: ...
 
 
@@ -231,12 +267,15 @@ def ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
     window: tuple[int, int] | None = ..., scale: float | None = ..., group=...,
     return_lse: Literal[True], backend: str = ..., ledger: MemoryLedger | None = ...,
-    validate: bool = ..., **local_kwargs,
+    validate: bool = ..., segment_ids: SegmentIds = ...,
+    prefix: int | torch.Tensor | None = ..., softcap: float = ..., alibi_slopes: RuleTensor = ...,
+    sinks: RuleTensor = ..., **local_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def ulysses_attention(q, k, v, *, causal=False, window=None, scale=None, group=None, return_lse=False,
-                      backend="auto", ledger=None, validate=True, **local_kwargs):
+                      backend="auto", ledger=None, validate=True, segment_ids=None, prefix=None, softcap=0.0,
+                      alibi_slopes=None, sinks=None, **local_kwargs):
     """Exact attention over a sequence sharded across `group`, by all-to-all over heads (DeepSpeed-Ulysses).
 
     Every rank of `group` calls this with its contiguous shard of the sequence
@@ -252,21 +291,30 @@ def ulysses_attention(q, k, v, *, causal=False, window=None, scale=None, group=N
         backend: the local attention's backend ("auto", "triton", "tiled", "naive").
         ledger: a `MemoryLedger` recording this rank's buffers (the local call modelled
             by the single-device rules).
-        validate: check with one small all_gather that every rank passes the same shapes.
+        validate: check with one small all_gather that every rank passes the same shapes
+            and the same score rules.
+        segment_ids: int32 (B, Nq / W) and (B, Nk / W) as a pair, or one (B, N / W): this
+            rank's shard of the ids (`shard(ids, rank, world, dim=1)`); all-gathered here.
+        prefix, softcap: as in `exattn.attention` (prefix counts global positions).
+        alibi_slopes: float32 (Hq,) or (B, Hq), sinks: float32 (Hq,), whole on every rank;
+            each rank's local call takes its heads. The gradient of sinks is that of the
+            whole attention, on every rank (gathered here: do not reduce it again).
         local_kwargs: further keywords of `exattn.attention` (block_m, block_n, ...).
             dropout_p > 0 and mask are refused (neither shards by heads).
 
     Returns:
         out (B, Hq, Nq / W, Dv) in q's dtype for this rank's positions, or (out, lse).
-        Differentiable with respect to q, k, v.
+        Differentiable with respect to q, k, v and sinks.
     """
     return_lse = check_bool("return_lse", return_lse)
+    rules = {"segment_ids": segment_ids, "prefix": prefix, "softcap": softcap, "alibi_slopes": alibi_slopes,
+             "sinks": sinks}
     out, lse = ulysses_call(q, k, v, causal=causal, window=window, scale=scale, group=group, backend=backend,
-                            ledger=ledger, validate=validate, local_kwargs=local_kwargs)
+                            ledger=ledger, validate=validate, local_kwargs=local_kwargs, rules=rules)
     return (out, lse) if return_lse else out
 
 
-def ulysses_call(q, k, v, *, causal, window, scale, group, backend, ledger, validate, local_kwargs,
+def ulysses_call(q, k, v, *, causal, window, scale, group, backend, ledger, validate, local_kwargs, rules,
                  local=None, record_inputs=True, what="ulysses_attention"):
     """Checked arguments -> (out, lse float32); `local` replaces exattn.attention (the hybrid's ring)."""
     check_qkv(q, k, v)
@@ -275,27 +323,50 @@ def ulysses_call(q, k, v, *, causal, window, scale, group, backend, ledger, vali
     scale = check_scale(scale, q.shape[3])
     check_group(group, what)
     check_no_dropout(local_kwargs, what)
+    score_rules, softcap = check_shard_rules(what, q, k, **rules)
     world = dist.get_world_size(group)
     replicas = kv_replicas(q.shape[1], k.shape[1], world, what)
     if check_bool("validate", validate):
         agree(what, group, q.device, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, dtype=q.dtype,
-              window=window_pair, scale=scale)
+              window=window_pair, scale=scale, score_rules=rule_flags(score_rules, softcap))
+    heads = head_group(dist.get_rank(group), world, q.shape[1])
     explain = None
     if local is None:
-        def local(q_h, k_h, v_h):
+        def local(q_h, k_h, v_h, **head_rules):
             return local_attention(q_h, k_h, v_h, causal=causal, window=window, scale=scale, backend=backend,
-                                   return_lse=True, **local_kwargs)
+                                   return_lse=True, **head_rules, **local_kwargs)
 
-        def explain(q_h, k_h, v_h):
-            return explain_backend(q_h, k_h, v_h, causal=causal, window=window, scale=scale, backend=backend).name
+        def explain(q_h, k_h, v_h, **head_rules):
+            return explain_backend(q_h, k_h, v_h, causal=causal, window=window, scale=scale, backend=backend,
+                                   **head_rules).name
     spec = UlyssesSpec(group, world, 2, 1, (2, 1), local, replicas, as_ledger(ledger), explain, what,
-                       record_inputs, backend="ring" if explain is None else "")
-    return UlyssesAttention.apply(q, k, v, spec)
+                       record_inputs, backend="ring" if explain is None else "",
+                       rules=ulysses_rules(score_rules, softcap, heads, group, what), heads=heads)
+    return UlyssesAttention.apply(q, k, v, None if score_rules is None else score_rules.sinks, spec)
+
+
+def check_varlen_rules(what, q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, local_kwargs, *, prefix, softcap,
+                       alibi_slopes, sinks) -> tuple[ScoreRules | None, float]:
+    """The rules of a packed batch: prefix (B,), slopes (B, Hq), sinks (Hq,), softcap; no segment ids."""
+    if local_kwargs.get("segment_ids") is not None:
+        raise ValueError(
+            f"{what} does not take segment_ids: cu_seqlens already keeps the packed sequences apart "
+            "(as in exattn.attention_varlen)"
+        )
+    batch = check_offsets("cu_seqlens_q", cu_seqlens_q, q).shape[0] - 1
+    try:
+        rules = check_score_rules(batch=batch, heads_q=q.shape[1], len_q=check_max_seqlen("max_seqlen_q", max_seqlen_q),
+                                  len_k=check_max_seqlen("max_seqlen_k", max_seqlen_k), device=q.device,
+                                  dtype=q.dtype, prefix=prefix, alibi_slopes=alibi_slopes, sinks=sinks)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    return rules, check_softcap(softcap)
 
 
 def ulysses_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                              causal=False, window=None, scale=None, group=None, return_lse=False,
-                             backend="auto", ledger=None, validate=True, **local_kwargs):
+                             backend="auto", ledger=None, validate=True, prefix=None, softcap=0.0,
+                             alibi_slopes=None, sinks=None, **local_kwargs):
     """Ulysses over a packed variable-length batch (token-major, as `exattn.attention_varlen`).
 
     Args:
@@ -304,11 +375,16 @@ def ulysses_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
             straddle ranks. Hq % W == 0.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: of the whole packed batch, the
             same on every rank (as `exattn.attention_varlen` takes them).
+        prefix, softcap, alibi_slopes, sinks: as `exattn.attention_varlen` takes them, whole on
+            every rank (prefix and slopes per sequence (B,) / (B, Hq)); as in `ulysses_attention`,
+            each rank's local call takes its heads of the slopes and sinks. No segment ids.
         the rest: as `ulysses_attention`.
 
     Returns:
         out (total_q / W, Hq, Dv), and with return_lse lse (Hq, total_q / W) float32.
+        Differentiable with respect to q, k, v and sinks.
     """
+    what = "ulysses_attention_varlen"
     return_lse = check_bool("return_lse", return_lse)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
@@ -316,25 +392,30 @@ def ulysses_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     causal = check_bool("causal", causal)
     window_pair = check_window(window, causal)
     scale = check_scale(scale, q.shape[2])
-    check_group(group, "ulysses_attention_varlen")
-    check_no_dropout(local_kwargs, "ulysses_attention_varlen")
+    check_group(group, what)
+    check_no_dropout(local_kwargs, what)
+    score_rules, softcap = check_varlen_rules(what, q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, local_kwargs,
+                                              prefix=prefix, softcap=softcap, alibi_slopes=alibi_slopes,
+                                              sinks=sinks)
     world = dist.get_world_size(group)
-    replicas = kv_replicas(q.shape[1], k.shape[1], world)
+    replicas = kv_replicas(q.shape[1], k.shape[1], world, what)
     if check_bool("validate", validate):
-        agree("ulysses_attention_varlen", group, q.device, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
+        agree(what, group, q.device, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
               dtype=q.dtype, window=window_pair, scale=scale, lengths=(max_seqlen_q, max_seqlen_k),
-              cu_seqlens=tuple(cu_seqlens_q.tolist()) + tuple(cu_seqlens_k.tolist()))
+              cu_seqlens=tuple(cu_seqlens_q.tolist()) + tuple(cu_seqlens_k.tolist()),
+              score_rules=rule_flags(score_rules, softcap))
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
-    def local(q_h, k_h, v_h):
-        return attention_varlen(q_h, k_h, v_h, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                causal=causal, window=window, scale=scale, backend=backend, return_lse=True,
-                                **local_kwargs)
+    def local(q_h, k_h, v_h, **head_rules):
+        return attention_varlen(q_h, k_h, v_h, *lengths, causal=causal, window=window, scale=scale,
+                                backend=backend, return_lse=True, **head_rules, **local_kwargs)
 
-    def explain(q_h, k_h, v_h):
-        return explain_varlen_backend(q_h, k_h, v_h, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      causal=causal, window=window, scale=scale, backend=backend).name
+    def explain(q_h, k_h, v_h, **head_rules):
+        return explain_varlen_backend(q_h, k_h, v_h, *lengths, causal=causal, window=window, scale=scale,
+                                      backend=backend, **head_rules).name
 
-    spec = UlyssesSpec(group, world, 0, 1, (1, 0), local, replicas, as_ledger(ledger), explain,
-                       "ulysses_attention_varlen")
-    out, lse = UlyssesAttention.apply(q, k, v, spec)
+    heads = head_group(dist.get_rank(group), world, q.shape[1])
+    spec = UlyssesSpec(group, world, 0, 1, (1, 0), local, replicas, as_ledger(ledger), explain, what,
+                       rules=ulysses_rules(score_rules, softcap, heads, group, what), heads=heads)
+    out, lse = UlyssesAttention.apply(q, k, v, None if score_rules is None else score_rules.sinks, spec)
     return (out, lse) if return_lse else out
