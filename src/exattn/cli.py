@@ -1,4 +1,5 @@
-"""The `exattn` command: `experiment` (the study), `memory` (tensor sizes), `plan` (tile choice).
+"""The `exattn` command: `experiment` (the study), `memory` (tensor sizes), `plan` (tile choice),
+`warmup` (compile the GPU kernels ahead of time).
 
 Bad arguments print a message naming the flag, the value and what is
 expected, and exit with status 2.
@@ -11,7 +12,9 @@ import dataclasses
 import sys
 import time
 
-from .experiment.config import ConfigError, ExperimentConfig, build_config, parse_list, tile
+from .experiment.config import (
+    ConfigError, ExperimentConfig, build_config, dtype_name, parse_list, positive_int, tile,
+)
 
 EXPERIMENT_HELP = {
     "out": "folder for results.json, results.csv, report.md and the plots (default experiment-out)",
@@ -102,8 +105,6 @@ def tiles_arg(text: str):
 
 
 def dtype_arg(text: str) -> str:
-    from .experiment.config import dtype_name
-
     try:
         return dtype_name("--dtype", text)
     except ConfigError as err:
@@ -152,12 +153,51 @@ def add_plan(sub) -> None:
     p.set_defaults(handler=run_plan, command_parser=p)
 
 
+def list_arg(flag: str, item):
+    """An argparse type: a comma-separated list, each element through `item(flag, text)`."""
+    def check(text: str) -> tuple:
+        try:
+            return parse_list(flag, text, item)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return check
+
+
+CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}
+
+
+def add_warmup(sub) -> None:
+    p = sub.add_parser("warmup", help="compile the GPU kernels ahead of time into Triton's cache",
+                       description="Run exattn.attention (forward and backward) and exattn.decode once for "
+                       "every dtype x head dim x length x causal, so that Triton compiles the kernels into its "
+                       "on-disk cache (TRITON_CACHE_DIR, default ~/.triton/cache) and later processes start "
+                       "without compiling. Triton specializes on head counts and lengths: give your model's.")
+    p.add_argument("--head-dims", type=list_arg("--head-dims", positive_int), default=(64, 128),
+                   help="comma-separated head dimensions D (default 64,128)")
+    p.add_argument("--dtypes", type=list_arg("--dtypes", dtype_name), default=("bf16",),
+                   help="comma-separated among bf16, fp16, fp32 (default bf16)")
+    p.add_argument("--lengths", type=list_arg("--lengths", positive_int), default=(1024, 2048, 4096),
+                   help="comma-separated sequence lengths N; decode: keys in the cache (default 1024,2048,4096)")
+    p.add_argument("--heads", type=positive(int), default=16, help="query heads Hq (default 16)")
+    p.add_argument("--kv-heads", type=positive(int), default=None, help="key/value heads Hk, dividing Hq (default Hq)")
+    p.add_argument("--batch", type=positive(int), default=1, help="batch size B (default 1)")
+    p.add_argument("--causal", choices=tuple(CAUSAL_CHOICES), default="both",
+                   help="prefill causal, non-causal or both (default both)")
+    p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
+                   help="also compile the backward (default on)")
+    p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="also compile exattn.decode of one token over a cache of each length (default on)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cuda:INDEX")
+    p.set_defaults(handler=run_warmup, command_parser=p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="exattn", description="Exact attention without the N x N matrix: the study tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_experiment(sub)
     add_memory(sub)
     add_plan(sub)
+    add_warmup(sub)
     return parser
 
 
@@ -169,6 +209,17 @@ def check_device(parser, device: str) -> None:
             parser.error(f"--device {device}: no CUDA device is available (torch.cuda.is_available() is False)")
     elif device != "cpu":
         parser.error(f"--device must be cpu or cuda[:index], got {device!r}")
+
+
+def check_warmup_device(parser, device: str) -> None:
+    import torch
+
+    why = "warmup compiles the GPU kernels"
+    if not device.startswith("cuda"):
+        parser.error(f"--device must be cuda or cuda:INDEX ({why}), got {device!r}")
+    if not torch.cuda.is_available():
+        parser.error(f"--device {device}: no CUDA device is available (torch.cuda.is_available() is False); "
+                     f"{why} and needs one")
 
 
 def check_ncu(parser) -> None:
@@ -250,6 +301,36 @@ def run_plan(args, argv) -> int:
             json.dump(strict(result.as_dict()), f, indent=1)
         print(f"wrote {args.out}")
     return 0 if result.choice is not None else 1
+
+
+def describe_warmup_row(row: dict) -> str:
+    causal = {True: "causal", False: "non-causal", None: ""}[row["causal"]]
+    return (f"{row['kind']:<7} {row['dtype']} d={row['head_dim']:<3} N={row['length']:<6} {causal:<10} "
+            f"heads {row['heads']}/{row['kv_heads']}  {row['seconds']:.2f} s")
+
+
+def run_warmup(args, argv) -> int:
+    import os
+
+    import torch
+
+    from .warmup import run_jobs, warmup_plan
+
+    parser = args.command_parser
+    check_warmup_device(parser, args.device)
+    torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dtypes = tuple(torch_dtypes[name] for name in args.dtypes)
+    try:
+        plan = warmup_plan(head_dims=args.head_dims, dtypes=dtypes, lengths=args.lengths, heads=args.heads,
+                           kv_heads=args.kv_heads, batch=args.batch, causal=CAUSAL_CHOICES[args.causal],
+                           backward=args.backward, decode=args.decode, device=args.device)
+    except (TypeError, ValueError, ImportError) as err:
+        parser.error(str(err))
+    start = time.perf_counter()
+    rows = run_jobs(plan, progress=lambda row: print(describe_warmup_row(row), flush=True))
+    cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
+    print(f"total: {len(rows)} jobs in {time.perf_counter() - start:.1f} s; Triton's cache: {cache}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
