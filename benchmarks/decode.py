@@ -6,6 +6,8 @@
                                 [--sweep [--sweep-shapes 8x131072,1x8192x16] [--sweep-configs 64:4:2,...]
                                          [--sweep-splits 1,2,4]] [--out benchmarks/results/decode-h200.json]
     python benchmarks/decode.py --table benchmarks/results/decode-h200.json   # the docs table
+    python benchmarks/decode.py --rules plain,window,softcap,sinks --batches 1,8,64 --contexts 32768,131072 \
+                                --impls exattn --page-sizes "" --out decode-rules.json    # score rules
 
 One new token (Nq = 1), bf16, Hq = 32, Hk = 8, D = 128, every sequence at the full context.
 The figure of merit is KV bytes read per second, 2 (K, V) x B x Hk x context x D x 2 bytes
@@ -24,6 +26,13 @@ does). Configurations that do not fit in memory, fail, or run past the deadline 
 rows with tbps/ms null and a note. Goal
 (issue 5): >= 1.0x cuDNN at every shape; >= 4.5 TB/s at 128k; >= 3.5 TB/s at batch 1,
 128k; paged >= 0.95x contiguous.
+
+`--rules` (a comma list of plain, window, softcap, sinks; default none) also times exattn on
+contiguous caches with each score rule: window = (4096, 0), softcap 50, sinks random float32 (Hq,),
+in interleaved rounds with the plain kernel (always timed). Their rows carry `rule`, the
+`keys` a call reads (a window reads min(context, 4097) keys a sequence, and its TB/s counts
+those), `plain_tbps` (the plain kernel's TB/s in the same rounds) and `vs_plain`
+(= tbps / plain_tbps; goal >= 0.97 at 32k-128k).
 """
 
 from __future__ import annotations
@@ -229,15 +238,19 @@ class Rows:
     def __init__(self, path: Path, meta: dict):
         self.path, self.meta, self.rows = path, meta, []
 
-    def add(self, impl, batch, context, paged, page_size, ms, note="", table=None, **extra):
-        tbps = None if ms is None else kv_bytes(batch, context) / (ms * 1e-3) / 1e12
+    def add(self, impl, batch, context, paged, page_size, ms, note="", table=None, keys=None, **extra):
+        """keys: the keys a call reads per sequence, for the TB/s (default: the context)."""
+        tbps = None if ms is None else kv_bytes(batch, keys or context) / (ms * 1e-3) / 1e12
+        if keys is not None:
+            extra["keys"] = keys
         row = dict(impl=impl, batch=batch, context=context, paged=paged, page_size=page_size,
                    table=table, tbps=tbps, ms=ms, note=note, **extra, **self.meta)
         self.rows.append(row)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.rows, indent=1) + "\n")
         shown = "null" if ms is None else f"{tbps:5.2f} TB/s {ms:8.4f} ms"
-        print(f"{impl:<12} B={batch:<3} ctx={context:<7} paged={page_size or '-':<4} {table or '':<7} {shown}  {note}",
+        label = f"{impl}:{extra['rule']}" if extra.get("rule") else impl
+        print(f"{label:<14} B={batch:<3} ctx={context:<7} paged={page_size or '-':<4} {table or '':<7} {shown}  {note}",
               flush=True)
 
     def get(self, impl, batch, context, page_size=None, table=None):
@@ -245,8 +258,11 @@ class Rows:
 
 
 def find_row(rows, impl, batch, context, page_size=None, table=None):
-    """The row of one measurement; paged rows of files from before the table modes had a table per pool."""
+    """The row of one measurement (not the `--rules` rows); paged rows of files from before the table
+    modes had a table per pool."""
     for row in rows:
+        if row.get("rule") is not None:
+            continue
         mode = row.get("table", "rotated") if row["page_size"] else None
         if (row["impl"], row["batch"], row["context"], row["page_size"], mode) == (
                 impl, batch, context, page_size, table if page_size else None):
@@ -341,6 +357,80 @@ def run_paged(rows, batch, context, page_size, device, deadline, table_mode="sha
     del caches, calls
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+RULES = ("plain", "window", "softcap", "sinks")
+RULE_WINDOW = 4096
+RULE_SOFTCAP = 50.0
+
+
+def rule_arguments(rule: str, device) -> dict:
+    """`exattn.decode` keywords of one `--rules` entry."""
+    if rule == "window":
+        return dict(window=(RULE_WINDOW, 0))
+    if rule == "softcap":
+        return dict(softcap=RULE_SOFTCAP)
+    if rule == "sinks":
+        return dict(sinks=torch.randn(HEADS_Q, dtype=torch.float32, device=device))
+    return {}
+
+
+def keys_read(rule: str, context: int) -> int:
+    return min(context, RULE_WINDOW + 1) if rule == "window" else context
+
+
+def run_rules(rows, batch, context, rules, device, deadline, rounds=1):
+    """exattn with each score rule and plain, contiguous caches, in interleaved rounds; each row keeps the
+    median and the plain kernel's TB/s of the same rounds."""
+    names = ["plain"] + [rule for rule in rules if rule != "plain"]
+    copies = copies_for(batch, context)
+    if time.time() > deadline or not fits(batch, context, copies, device):
+        note = "not run: past the deadline" if time.time() > deadline else "skipped: does not fit in GPU memory"
+        for rule in names:
+            rows.add("exattn", batch, context, False, None, None, note, rule=rule, keys=keys_read(rule, context))
+        return
+    caches = contiguous_caches(batch, context, copies, device)
+    q = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, dtype=DTYPE, device=device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    calls = {}
+    for rule in names:
+        kwargs = rule_arguments(rule, device)
+        exattn.decode(q, *caches[0], cache_seqlens=lens, **kwargs)  # validated once
+        calls[rule] = [lambda k=k, v=v, kw=kwargs: exattn.decode(q, k, v, cache_seqlens=lens, validate=False, **kw)
+                       for k, v in caches]
+    samples = timed_rounds(calls, device, rounds)
+    plain = samples["plain"]
+    plain_tbps = None if isinstance(plain, str) else kv_bytes(batch, context) / (statistics.median(
+        ms for ms, _ in plain) * 1e-3) / 1e12
+    for rule in names:
+        keys = keys_read(rule, context)
+        if isinstance(samples[rule], str):
+            rows.add("exattn", batch, context, False, None, None, samples[rule], rule=rule, keys=keys)
+            continue
+        ms_rounds = [ms for ms, _ in samples[rule]]
+        ms = statistics.median(ms_rounds)
+        tbps = kv_bytes(batch, keys) / (ms * 1e-3) / 1e12
+        rows.add("exattn", batch, context, False, None, ms, f"{samples[rule][0][1]}; {copies} caches rotated",
+                 rule=rule, keys=keys, plain_tbps=plain_tbps, vs_plain=tbps / plain_tbps if plain_tbps else None,
+                 ms_rounds=ms_rounds)
+    del caches, calls
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rules_summary(rows, rules):
+    print("\nexattn TB/s with each score rule (vs the plain kernel in the same rounds)")
+    print(f"{'B':>3} {'ctx':>7} {'plain':>7} " + " ".join(f"{rule:>15}" for rule in rules if rule != "plain"))
+    shapes = sorted({(r["batch"], r["context"]) for r in rows.rows if r.get("rule") is not None})
+    for batch, context in shapes:
+        found = {r["rule"]: r for r in rows.rows if r.get("rule") and (r["batch"], r["context"]) == (batch, context)}
+        plain = found.get("plain", {}).get("tbps")
+        cells = [f"{batch:>3} {context:>7} {plain or float('nan'):7.2f}"]
+        for rule in rules:
+            if rule != "plain":
+                row = found.get(rule, {})
+                cells.append(f"{row.get('tbps') or float('nan'):6.2f} ({row.get('vs_plain') or float('nan'):5.3f}x)")
+        print(" ".join(cells))
 
 
 SWEEP_CONFIGS = "64:4:2,128:4:2,128:4:3,64:4:4,128:8:3,32:4:4"
@@ -491,7 +581,10 @@ def main() -> None:
     parser.add_argument("--table-modes", default="shared,rotated",
                         help=f"paged caches, any of {','.join(TABLE_MODES)}: one block table for every rotated pool, "
                              "a table per pool, or pages in order (the sweep takes the first)")
-    parser.add_argument("--no-main", action="store_true", help="skip the main table (with --sweep)")
+    parser.add_argument("--no-main", action="store_true", help="skip the main table (with --sweep or --rules)")
+    parser.add_argument("--rules", default="",
+                        help=f"also time exattn with each score rule, any of {','.join(RULES)} (the plain kernel "
+                             "is always timed with them)")
     parser.add_argument("--out", default=str(RESULTS / "decode-h200.json"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--table", help="print the markdown table of a results file and exit")
@@ -509,10 +602,14 @@ def main() -> None:
     table_modes = args.table_modes.split(",")
     if not set(table_modes) <= set(TABLE_MODES):
         parser.error(f"--table-modes must be among {','.join(TABLE_MODES)}, got {args.table_modes}")
+    rules = [rule for rule in args.rules.split(",") if rule]
+    if not set(rules) <= set(RULES):
+        parser.error(f"--rules must be among {','.join(RULES)}, got {args.rules}")
     deadline = time.time() + args.deadline_s
     rows = Rows(Path(args.out), versions(device))
     torch.manual_seed(0)
     first = [impl for impl in impls if impl != "flex"]  # flex compiles per shape: measured last
+    rule_shapes = [(batch, context) for batch in batches for context in contexts] if rules else []
     if args.no_main:
         batches, impls, first = [], [], []
     for batch in batches:
@@ -527,6 +624,10 @@ def main() -> None:
                 run_contiguous(rows, batch, context, ["flex"], device, deadline, args.rounds)
     if batches:
         summary(rows, batches, contexts, page_sizes, table_modes)
+    for batch, context in rule_shapes:
+        run_rules(rows, batch, context, rules, device, deadline, args.rounds)
+    if rule_shapes:
+        rules_summary(rows, rules)
     if args.sweep:
         shapes = [parse_shape(shape) for shape in args.sweep_shapes.split(",")]
         sweep_path = Path(args.sweep_out or Path(args.out).with_name(Path(args.out).stem + "-sweep.json"))

@@ -9,13 +9,14 @@
 #
 # Steps: tests = pytest -m gpu (parallel workers, so kernel compilation overlaps);
 # memory = benchmarks/gpu_memory.py; prefill = the prefill table (benchmarks/prefill.py);
-# decode = the decode table (benchmarks/decode.py); varlen = packed batches (benchmarks/varlen.py); masks = score rules (benchmarks/masks.py). Run from the repository root
+# decode = the decode table (benchmarks/decode.py); varlen = packed batches (benchmarks/varlen.py); masks = score rules (benchmarks/masks.py);
+# host = host time per call and first-call seconds (benchmarks/host.py). Run from the repository root
 # (exattn need not be installed: PYTHONPATH=src). Logs and JSON go to $OUT (default
 # /tmp/exattn-gpu); a benchmark run with its canonical flags (no *_ARGS) is also copied
 # to benchmarks/results/. GPU_TEST_TIMEOUT (seconds, default 900) bounds the tests;
 # PREFILL_ARGS and DECODE_ARGS are appended to those commands (later flags win).
 set -u
-STEPS="${*:-tests memory prefill decode varlen masks}"
+STEPS="${*:-tests memory prefill decode varlen masks host}"
 SKIP=",${SKIP:-},"
 OUT=${OUT:-/tmp/exattn-gpu}
 mkdir -p "$OUT" benchmarks/results
@@ -27,7 +28,7 @@ wanted() { [[ " $STEPS " == *" $1 "* && "$SKIP" != *",$1,"* ]]; }
 keep() { [ -z "$2" ] && [ -f "$OUT/$1" ] && cp "$OUT/$1" benchmarks/results/; }  # keep FILE EXTRA_ARGS
 
 for step in $STEPS; do
-    case $step in tests|memory|prefill|decode|varlen|masks) ;; *) echo "unknown step '$step'"; exit 2 ;; esac
+    case $step in tests|memory|prefill|decode|varlen|masks|host) ;; *) echo "unknown step '$step'"; exit 2 ;; esac
 done
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
@@ -81,5 +82,11 @@ if wanted masks; then
     python3 benchmarks/masks.py ${MASKS_ARGS:-} --out "$OUT/masks-h200.json" > "$OUT/masks.log" 2>&1
     keep masks-h200.json "${MASKS_ARGS:-}"
     tail -14 "$OUT/masks.log"
+fi
+if wanted host; then
+    stamp "host"
+    python3 benchmarks/host.py --first-call --profile ${HOST_ARGS:-} --out "$OUT/host-h200.json" > "$OUT/host.log" 2>&1
+    keep host-h200.json "${HOST_ARGS:-}"
+    grep -v "^ " "$OUT/host.log" | head -40
 fi
 stamp "done"

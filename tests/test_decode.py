@@ -104,7 +104,6 @@ def test_every_num_splits_agrees(backend):
 def test_kernel_many_and_empty_splits(block_n, merge_in_split):
     """Small key blocks give many real splits; the short sequences leave most of them empty.
     G = 3 query heads a K/V head: merged in the split kernel, a padded row is masked."""
-    from exattn.backends.triton import decode_kernel
     from exattn.backends.triton.decode_kernel import DecodeConfig, decode_forward
 
     q, k, v, lens = make_case(3, 6, 2, 1, 200, 16, torch.float16, seed=3, lengths=[200, 1, 37])
@@ -113,21 +112,6 @@ def test_kernel_many_and_empty_splits(block_n, merge_in_split):
         out, lse = decode_forward(q, k, v, lens, None, 0.25, num_splits, config)
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
         assert_matches_attention(f"splits={num_splits}", out, lse, q, k, v, lens)  # scale 0.25 = 16 ** -0.5
-    if merge_in_split:  # the last split of each group reset its counter
-        assert all(int(counts.abs().sum()) == 0 for kept in decode_kernel._ARRIVALS.values() for counts in kept)
-
-
-def test_arrival_counters_grow_without_freeing_and_start_at_zero():
-    """A larger launch gets a new, zeroed buffer; the old one stays referenced (a captured CUDA
-    graph may still hold its address)."""
-    from exattn.backends.triton import decode_kernel
-
-    device = torch.device("cpu")
-    small = decode_kernel.arrival_counters(10, device)
-    assert decode_kernel.arrival_counters(10, device) is small
-    large = decode_kernel.arrival_counters(small.numel() + 1, device)
-    assert large is not small and large.numel() > small.numel() and int(large.abs().sum()) == 0
-    assert any(kept is small for kept in decode_kernel._ARRIVALS[(device, 0)])
 
 
 def test_merge_in_split_over_several_row_blocks():
@@ -475,15 +459,28 @@ def test_score_rules_match_the_oracle(rules, num_splits):
         torch.testing.assert_close(lse[i:i + 1], ref_lse.float(), rtol=1e-6, atol=1e-6)
 
 
-def test_the_decode_kernels_name_the_rules_they_do_not_apply():
+def test_the_decode_kernels_serve_every_rule_and_gluon_names_them():
+    from exattn.backends.triton.gluon_decode import gluon_decode_reasons
+
     q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
     problem = make_decode_problem(q, k, v, None, None, None, 0, True, window=(2, 0), softcap=1.0,
-                                  sinks=torch.zeros(2))
-    reasons = " ".join(triton_reasons(problem))
-    for name in ("window", "softcap", "sinks"):
-        assert f"{name} is not in the decode kernels yet" in reasons
-    assert not [r for r in triton_reasons(make_decode_problem(q, k, v, None, None, None, 0, True)) if "yet" in r]
+                                  alibi_slopes=torch.ones(2), sinks=torch.zeros(2))
+    assert problem.score_rules_in_use == ["window", "softcap", "alibi_slopes", "sinks"]
+    assert triton_reasons(problem) == []
+    assert choose_decode_backend(problem, "triton") == "triton"
+    refusal = gluon_decode_reasons(q, k, v, None, problem.score_rules_in_use)
+    assert "score rules (window, softcap, alibi_slopes, sinks) run on the Triton decode kernel" in refusal
     with pytest.raises(ValueError, match="softcap must be"):
         exattn.decode(q, k, v, softcap=-1.0)
     with pytest.raises(ValueError, match="sinks"):
         exattn.decode(q, k, v, sinks=torch.zeros(3))
+
+
+def test_a_cache_too_small_for_the_new_tokens_is_refused_before_any_length_is_read():
+    q, k, v, lens = make_case(2, 2, 1, 5, 4, 8, torch.float32, lengths=[4, 4])
+    with pytest.raises(ValueError, match="the cache holds 4 keys per sequence, fewer than Nq = 5: no length is valid"):
+        exattn.decode(q, k, v, cache_seqlens=lens, validate=False)
+    k_pages, v_pages = (torch.randn(0, 1, 16, 8, device=DEVICE) for _ in range(2))
+    table = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"k_cache holds no pages \(num_pages = 0\)"):
+        exattn.decode(q[:, :, :1], k_pages, v_pages, block_table=table, validate=False)

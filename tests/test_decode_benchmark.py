@@ -67,8 +67,42 @@ def test_docs_table_has_a_column_per_page_size_and_table_mode(tmp_path):
     assert "paged 16, a table per pool" in header and "one table" not in header and line.endswith("(0.80x) |")
 
 
+def test_rule_rows_carry_the_rule_the_keys_read_and_the_plain_kernels_speed(monkeypatch, tmp_path):
+    """A window reads min(context, 4097) keys a sequence and its TB/s counts those; every rule row holds the
+    plain kernel's TB/s of the same rounds and the ratio to it."""
+    times = iter([2.0, 1.0, 4.0])  # ms of plain, window, softcap: one round, in that order
+    monkeypatch.setattr(bench, "time_calls", lambda calls, device: (next(times), "host clock"))
+    monkeypatch.setattr(bench, "copies_for", lambda batch, context: 1)
+    monkeypatch.setattr(bench, "HEADS_Q", 8)
+    monkeypatch.setattr(bench, "HEADS_K", 2)
+    monkeypatch.setattr(bench, "HEAD_DIM", 16)
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)
+    rows = bench.Rows(tmp_path / "rows.json", {})
+    bench.run_rules(rows, 1, 5000, ["window", "softcap"], CPU, deadline=float("inf"), rounds=1)
+    by_rule = {row["rule"]: row for row in rows.rows}
+    assert sorted(by_rule) == ["plain", "softcap", "window"]
+    plain_tbps = bench.kv_bytes(1, 5000) / 2e-3 / 1e12
+    assert by_rule["plain"]["tbps"] == pytest.approx(plain_tbps) and by_rule["plain"]["vs_plain"] == 1.0
+    window = by_rule["window"]
+    assert window["keys"] == 4097 and window["tbps"] == pytest.approx(bench.kv_bytes(1, 4097) / 1e-3 / 1e12)
+    assert window["plain_tbps"] == pytest.approx(plain_tbps)
+    assert window["vs_plain"] == pytest.approx(4097 / 5000 * 2)
+    assert by_rule["softcap"]["vs_plain"] == pytest.approx(0.5)
+    assert rows.get("exattn", 1, 5000) is None, "rule rows must not stand in for the main table's rows"
+    assert json.loads((tmp_path / "rows.json").read_text())[1]["rule"] == "window"
+
+
+def test_rule_arguments():
+    assert bench.rule_arguments("window", CPU) == {"window": (4096, 0)}
+    assert bench.rule_arguments("softcap", CPU) == {"softcap": 50.0}
+    sinks = bench.rule_arguments("sinks", CPU)["sinks"]
+    assert sinks.shape == (bench.HEADS_Q,) and sinks.dtype == torch.float32
+    assert bench.rule_arguments("plain", CPU) == {}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--table-modes", "shared,bogus"], "--table-modes must be among shared,rotated,identity, got shared,bogus"),
+    (["--rules", "window,bogus"], "--rules must be among plain,window,softcap,sinks, got window,bogus"),
     (["--rounds", "0"], "expected an int >= 1, got '0'"),
 ])
 def test_bad_arguments_name_the_flag(argv, message, monkeypatch, capsys):

@@ -179,3 +179,180 @@ def test_cuda_graph_capture_with_validate_false():
     assert_matches_attention("graph", out, lse, q, k, v, lens)
     again = exattn.decode(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)
     assert torch.equal(out, again)  # run to run, bitwise
+
+
+# ---------------------------------------------------------------- score rules in the kernels
+
+@pytest.mark.parametrize("dtype", (BF16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("rules", ("window", "softcap", "alibi", "sinks", "all"))
+@pytest.mark.parametrize("layout", ("contiguous", "paged"))
+@pytest.mark.parametrize("len_q", (1, 4))
+def test_rules_match_the_oracle(dtype, rules, layout, len_q, monkeypatch):
+    """`backend="auto"` runs them in the Triton kernel (never the tiled path), planned splits and 1 and 7."""
+    from exattn.backends.triton import decode_kernel
+    from test_decode_rules import assert_rules_match, rule_kwargs
+
+    q, k, v, lens = make_case(3, 32, 8, len_q, 3000, 128, seed=len(rules) + len_q, lengths=[3000, 1001, len_q])
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    kwargs = rule_kwargs(rules, 32, 3, window=700, softcap=20.0)
+    caches = (k, v, None) if layout == "contiguous" else paged(k, v, lens, 16)
+    runs = []
+    real = decode_kernel.decode_forward
+    monkeypatch.setattr(decode_kernel, "decode_forward", lambda *a, **kw: runs.append(1) or real(*a, **kw))
+    for num_splits in (0, 1, 7):
+        out, lse = exattn.decode(q, caches[0], caches[1], block_table=caches[2], cache_seqlens=lens,
+                                 num_splits=num_splits, return_lse=True, **kwargs)
+        assert_rules_match(f"{rules} {layout} splits={num_splits}", out, lse, q, k, v, lens, kwargs)
+    assert len(runs) == 3, "auto did not take the Triton decode kernel"
+    exattn.check_errors()
+
+
+@pytest.mark.parametrize("layout", ("contiguous", "paged"))
+def test_a_4k_window_over_128k_keys_reads_only_the_window(layout):
+    """V holds NaN before the block where the window starts: a read would show. Long caches on an
+    under-filled GPU would take the Gluon kernel, which leaves rules to the Triton kernel."""
+    from test_decode_rules import assert_rules_match
+
+    q, k, v, lens = make_case(1, 32, 8, 1, 131072, 128, lengths=[131000])
+    clean_v = v.clone()
+    v[:, :, :(131000 - 1 - 4096) // 64 * 64] = float("nan")
+    kwargs = dict(window=(4096, 0), sinks=torch.randn(32, device="cuda"))
+    caches = (k, v, None) if layout == "contiguous" else paged(k, v, lens, 256)
+    out, lse = exattn.decode(q, caches[0], caches[1], block_table=caches[2], cache_seqlens=lens, return_lse=True,
+                             **kwargs)
+    assert not out.isnan().any()
+    assert_rules_match("4k window of 128k", out, lse, q, k, clean_v, lens, kwargs)
+
+
+def test_softcap_with_huge_logits_stays_finite():
+    from test_decode_rules import assert_rules_match
+
+    q, k, v, lens = make_case(2, 32, 8, 2, 2000, 128, seed=3, lengths=[2000, 999])
+    q = q * 40
+    for softcap in (1.0, 50.0):
+        out, lse = exattn.decode(q, k, v, cache_seqlens=lens, softcap=softcap, return_lse=True)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert_rules_match(f"softcap {softcap}", out, lse, q, k, v, lens, dict(softcap=softcap))
+
+
+# ---------------------------------------------------------------- validation without a device sync
+
+def clear_records():
+    from exattn import errors
+
+    torch.cuda.synchronize()
+    for state in errors._RECORDS.values():
+        state.record.zero_()
+        state.rung.value = 0
+
+
+@pytest.mark.parametrize("layout", ("contiguous", "paged", "gluon"))
+def test_validated_decode_never_syncs(layout):
+    """Under torch.cuda.set_sync_debug_mode("error") every host sync raises: validated calls on valid
+    inputs (Triton kernel, paged, and the Gluon kernel on a long cache) run without one."""
+    capacity = 40000 if layout == "gluon" else 3000
+    q, k, v, lens = make_case(2, 32, 8, 1, capacity, 128, seed=4)
+    table = None
+    if layout == "paged":
+        k, v, table = paged(k, v, lens, 64)
+    calls = [dict(), dict(window=(500, 0), sinks=torch.zeros(32, device="cuda"))]
+    for kwargs in calls:  # compile, plan and make the error record outside the check
+        exattn.decode(q, k, v, cache_seqlens=lens, block_table=table, **kwargs)
+    torch.cuda.synchronize()
+    clear_records()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            for kwargs in calls:
+                exattn.decode(q, k, v, cache_seqlens=lens, block_table=table, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    exattn.check_errors()
+
+
+@pytest.mark.parametrize("case", ("beyond", "below", "page", "gluon-beyond"))
+def test_bad_inputs_raise_at_check_errors_and_at_the_next_call(case, monkeypatch):
+    """The kernels (Triton; Gluon for the long contiguous cache) record the first violation and set
+    the doorbell in pinned host memory; check_errors() raises it, or else the next validated call."""
+    from exattn import errors
+    import exattn.backends.triton.gluon_decode as gd
+
+    clear_records()
+    capacity = 40000 if case == "gluon-beyond" else 3000
+    q, k, v, lens = make_case(3, 32, 8, 2, capacity, 128, seed=5)
+    table = bad_table = None
+    bad = lens.clone()
+    if case in ("beyond", "gluon-beyond"):
+        bad[1] = capacity + 1
+    elif case == "below":
+        bad[2] = 1
+    else:
+        k, v, table = paged(k, v, lens, 64)
+        bad_table = table.clone()
+        bad_table[0, 3] = 99999
+    pattern = {"beyond": rf"cache_seqlens\[1\] = {capacity + 1} is beyond the cache: k_cache holds {capacity} keys",
+               "gluon-beyond": rf"cache_seqlens\[1\] = {capacity + 1} is beyond the cache",
+               "below": r"cache_seqlens\[2\] = 1 is below Nq = 2",
+               "page": r"block_table\[0, 3\] = 99999 is not a page of k_cache"}[case]
+    gluon_runs = []
+    real = gd.gluon_decode_forward
+    monkeypatch.setattr(gd, "gluon_decode_forward", lambda *a, **kw: gluon_runs.append(1) or real(*a, **kw))
+    out = exattn.decode(q, k, v, cache_seqlens=bad, block_table=bad_table if case == "page" else table)
+    assert bool(gluon_runs) is (case == "gluon-beyond")
+    valid = [b for b in range(3) if int(bad[b]) == int(lens[b]) and not (case == "page" and b == 0)]
+    assert not out[valid].isnan().any()
+    with pytest.raises(ValueError, match=pattern):
+        exattn.check_errors()
+    exattn.check_errors()  # reset
+    exattn.decode(q, k, v, cache_seqlens=bad, block_table=bad_table if case == "page" else table)
+    torch.cuda.synchronize()
+    assert errors._RECORDS[q.device].rung.value == 1, "the kernel did not set the doorbell in pinned memory"
+    with pytest.raises(ValueError, match=pattern):
+        exattn.decode(q, k, v, cache_seqlens=lens, block_table=table)
+    exattn.decode(q, k, v, cache_seqlens=lens, block_table=table)
+    exattn.check_errors()
+
+
+def test_validated_calls_capture_in_a_cuda_graph_and_replays_record():
+    q, k, v, lens = make_case(2, 32, 8, 1, 4096, 128, lengths=[4096, 4096])
+    k_pages, v_pages, table = paged(k, v, lens, 64)
+    clear_records()
+    kwargs = dict(cache_seqlens=lens, block_table=table)
+    exattn.decode(q, k_pages, v_pages, **kwargs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = exattn.decode(q, k_pages, v_pages, **kwargs)
+    lens.copy_(torch.tensor([100, 2000], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, exattn.decode(q, k_pages, v_pages, **kwargs), rtol=0, atol=0)
+    exattn.check_errors()
+    lens.copy_(torch.tensor([100, 5000], dtype=torch.int32))
+    graph.replay()
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 5000 is beyond the cache"):
+        exattn.check_errors()
+
+
+def test_validation_costs_no_host_time():
+    """Host seconds per call with the GPU kept busy (calls enqueue behind a long matmul): validate=True
+    within 10% (+2 us) of validate=False, where a device sync would cost the whole queue."""
+    import time
+
+    q, k, v, lens = make_case(8, 32, 8, 1, 4096, 128, lengths=[4096] * 8)
+    big = torch.randn(8192, 8192, device="cuda", dtype=BF16)
+
+    def host_seconds(validate):
+        exattn.decode(q, k, v, cache_seqlens=lens, validate=validate)
+        torch.cuda.synchronize()
+        for _ in range(8):
+            big @ big
+        start = time.perf_counter()
+        for _ in range(200):
+            exattn.decode(q, k, v, cache_seqlens=lens, validate=validate)
+        seconds = (time.perf_counter() - start) / 200
+        torch.cuda.synchronize()
+        return seconds
+
+    unchecked, checked = min(host_seconds(False) for _ in range(3)), min(host_seconds(True) for _ in range(3))
+    assert checked <= 1.1 * unchecked + 2e-6, f"validate=True {checked * 1e6:.1f} us, False {unchecked * 1e6:.1f} us"

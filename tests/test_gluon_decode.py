@@ -23,14 +23,15 @@ SPLIT_KERNEL = gd.gluon_decode_split_kernel
 
 
 def compiled_kernel(dtype: torch.dtype, len_q: int, monkeypatch, heads_q: int = 32, num_splits: int = 5,
-                    merge_in_split: bool = False, options: dict | None = None):
+                    merge_in_split: bool = False, options: dict | None = None, validate: bool = False):
     """The kernel as `gluon_decode_forward` launches it on CPU tensors, compiled for sm_90a."""
     kernel, recorder = SPLIT_KERNEL, RecordedLaunch()
     monkeypatch.setattr(gd, "gluon_decode_split_kernel", recorder)
     monkeypatch.setattr(decode_kernel, "decode_combine_kernel", RecordedLaunch())
     q = torch.randn(3, heads_q, len_q, 128).to(dtype)
     k, v = (torch.randn(3, 8, 4000, 128).to(dtype) for _ in range(2))
-    gd.gluon_decode_forward(q, k, v, torch.tensor([4000, 17, 2500], dtype=torch.int32), 0.1, num_splits, merge_in_split)
+    gd.gluon_decode_forward(q, k, v, torch.tensor([4000, 17, 2500], dtype=torch.int32), 0.1, num_splits, merge_in_split,
+                            validate=validate)
     args, kwargs = recorder.calls[0]
     return compile_for_sm90(kernel, args, {**kwargs, **(options or {})})
 
@@ -67,6 +68,17 @@ def test_compiles_for_sm90_with_one_tma_slot_per_tensor(dtype, len_q, heads_q, n
         assert usage["REG"] <= gd.FOUR_PER_SM_REGISTERS and usage["LOCAL"] == 0 and usage["STACK"] <= 16, usage
 
 
+@pytest.mark.parametrize("len_q,merge_in_split", [(1, True), (1, False), (4, True)])
+def test_validation_keeps_the_register_budget(len_q, merge_in_split, tmp_path, monkeypatch):
+    """With validate=True the kernel also clamps and checks each length (one program a sequence claims
+    the error record by an atomic compare-and-swap): no spills, and 128 registers with one new token."""
+    kernel = compiled_kernel(torch.bfloat16, len_q, monkeypatch, merge_in_split=merge_in_split, validate=True)
+    usage = resource_usage(kernel, tmp_path)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
+    assert usage["REG"] <= (gd.FOUR_PER_SM_REGISTERS if len_q == 1 else THREE_PER_SM_REGISTERS), usage
+    assert re.search(r"atom\.global(\.\w+)*\.cas", kernel.asm["ptx"]), "no compare-and-swap of the error flag"
+
+
 def test_register_cap_applies_only_past_three_programs_an_sm(monkeypatch):
     monkeypatch.setattr(gd, "multiprocessor_count", lambda device: 132)
     cuda = torch.device("cuda")
@@ -88,8 +100,9 @@ def test_reasons_name_every_refusal(monkeypatch):
     q = torch.randn(1, 40, 1, 100)
     v = torch.randn(1, 2, 64, 96)
     k = torch.randn(1, 2, 64, 101)[..., :100]  # rows of 101 floats: not 16-byte aligned
-    reasons = " | ".join(gd.gluon_decode_reasons(q, k, v, torch.zeros(1, 4, dtype=torch.int32)))
-    for words in ("CUDA", "float32", "D=100, Dv=96", "20 query rows", "paged", "16-byte"):
+    reasons = " | ".join(gd.gluon_decode_reasons(q, k, v, torch.zeros(1, 4, dtype=torch.int32), ["window", "sinks"]))
+    for words in ("CUDA", "float32", "D=100, Dv=96", "20 query rows", "paged", "16-byte",
+                  "score rules (window, sinks) run on the Triton decode kernel"):
         assert words in reasons, (words, reasons)
 
 
@@ -235,7 +248,8 @@ def test_gpu_decode_takes_the_gluon_path_and_agrees_with_triton(batch, capacity,
     assert config.gluon
     calls = []
     real = gd.gluon_decode_forward
-    monkeypatch.setattr(gd, "gluon_decode_forward", lambda *args: calls.append(args[-1]) or real(*args))
+    monkeypatch.setattr(gd, "gluon_decode_forward",
+                        lambda *args, **kwargs: calls.append(args[-1]) or real(*args, **kwargs))
     out, lse = exattn.decode(q, k, v, cache_seqlens=lens, return_lse=True)
     assert calls == [planned], "the plan's Gluon launch did not run with its splits"
     monkeypatch.setattr(settings, "use_gluon", False)

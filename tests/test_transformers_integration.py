@@ -55,7 +55,7 @@ class Calls:
 
     def __init__(self, monkeypatch):
         self.attention, self.decode, self.varlen, self.built, self.masks = [], [], [], [], []
-        self.options = []  # per exattn.attention call: its window, softcap and sinks
+        self.options = []  # per exattn.attention or decode call: its window, softcap and sinks
         attention, decode, varlen, build = ext.attention, ext.decode, ext.attention_varlen, ext.sdpa_mask
         forward = AttentionInterface._global_mapping[ext.NAME]
 
@@ -83,6 +83,7 @@ class Calls:
 
         def counted_decode(q, k, v, **kwargs):
             self.decode.append((tuple(q.shape), tuple(k.shape)))
+            self.options.append({name: kwargs.get(name) for name in ("window", "softcap", "sinks")})
             return decode(q, k, v, **kwargs)
 
         monkeypatch.setattr(ext, "attention", counted_attention)
@@ -312,10 +313,10 @@ def test_dropout_is_passed_through_and_training_never_decodes(calls):
 
 @pytest.mark.parametrize("len_q, len_k, mask, sliding_window, softcap, sinks, via_decode", [
     (9, 9, None, 4, 0.0, False, False),  # window (3, 0), bottom-right
-    (3, 11, None, 4, 0.0, False, False),
+    (3, 11, None, 4, 0.0, False, True),  # a few new tokens: decode, with the window
     (1, 11, None, 11, 0.0, False, True),  # the window keeps every key: decode
-    (1, 11, None, None, 2.0, False, False),  # decode takes no softcap / sinks yet
-    (3, 11, None, 4, 2.0, True, False),
+    (1, 11, None, None, 2.0, False, True),  # decode with softcap
+    (3, 11, None, 4, 2.0, True, False),  # learnable sinks (a Parameter, grad enabled): attention
     (9, 9, "bool", 4, 2.0, True, False),  # the mask already holds the window
 ])
 def test_softcap_sinks_and_sliding_window_match_transformers_eager(
@@ -351,10 +352,10 @@ def test_softcap_sinks_and_sliding_window_match_transformers_eager(
         expected, _ = gemma2_eager(module, q, k, v, additive, scaling=0.3, softcap=kwargs.get("softcap"))
     if expected is not None:  # Gemma 2's eager takes its softmax in float32, even for float64 inputs
         torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6 if not sinks else 1e-12)
-    options = calls.options[0] if calls.options else {}
-    if not via_decode:
-        assert options["window"] == ((sliding_window - 1, 0) if sliding_window and mask is None else None)
-        assert options["softcap"] == softcap
+    options = calls.options[0]
+    narrows = sliding_window is not None and sliding_window < len_k and mask is None
+    assert options["window"] == ((sliding_window - 1, 0) if narrows else None)
+    assert options["softcap"] == softcap
     assert (len(calls.decode) > 0) == via_decode
 
 
@@ -594,10 +595,10 @@ def test_sliding_softcap_sink_models_generate_like_eager(family, calls):
     tokens, scores = generate(model, "exattn", input_ids)
     assert tokens.shape == (2, STEPS) and torch.equal(tokens, eager_tokens)
     torch.testing.assert_close(scores, eager_scores, rtol=0, atol=1e-4)
-    # prefill and every step, every layer, no mask; with softcap / sinks never exattn.decode. Gemma 3
-    # (no softcap passed) decodes: its full sliding cache, w - 1 keys + the new one, needs no window.
+    # prefill and every step, every layer, no mask; every step after the prefill through exattn.decode
+    # (with the model's softcap and sinks; a full sliding cache, w - 1 keys + the new one, needs no window).
     assert len(calls.attention) + len(calls.decode) == STEPS * layers
-    assert len(calls.decode) == (STEPS - 1) * layers if family == "gemma3" else not calls.decode
+    assert len(calls.decode) == (STEPS - 1) * layers
     assert all(mask is None for mask in calls.masks) and not calls.built
     assert len(calls.masks) == STEPS * layers
     keys = [k_shape[2] for _, k_shape, _ in calls.attention] + [k_shape[2] for _, k_shape in calls.decode]
@@ -605,7 +606,8 @@ def test_sliding_softcap_sink_models_generate_like_eager(family, calls):
 
 
 def test_left_padded_sliding_generation_matches_eager(calls):
-    """Padding: the sliding layer gets SDPA's dense bool mask (window included), as before."""
+    """Padding: the sliding layer gets SDPA's dense bool mask (window included) while padding is in
+    its window; once it has left (transformers passes no mask), steps go through exattn.decode."""
     model = sliding_model("gemma2")
     input_ids = torch.randint(3, 128, (2, SLIDING_PROMPT), generator=torch.Generator().manual_seed(3))
     attention_mask = torch.ones_like(input_ids)
@@ -615,5 +617,6 @@ def test_left_padded_sliding_generation_matches_eager(calls):
     tokens, scores = generate(model, "exattn", input_ids, attention_mask)
     assert torch.equal(tokens, eager_tokens)
     torch.testing.assert_close(scores, eager_scores, rtol=0, atol=1e-4)
-    assert len(calls.attention) == STEPS * model.config.num_hidden_layers and not calls.decode
+    assert len(calls.attention) + len(calls.decode) == STEPS * model.config.num_hidden_layers
     assert calls.attention[0][2] is not None and calls.attention[0][2].dtype == torch.bool
+    assert all(mask is not None for _, _, mask in calls.attention)  # decode serves only mask-free steps

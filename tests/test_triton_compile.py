@@ -58,11 +58,14 @@ def recorded_launches(params: AttentionParams, mask, use_tma: bool) -> dict:
     return {kind: recorder.calls[0] for kind, recorder in recorders.items()}
 
 
-def recorded_decode_launches(paged: bool, merge_in_split: bool = False, page_stride: int | None = None) -> dict:
-    """{kind: (args, kwargs)} of one 3-split decode step (2 new tokens, GQA 4:1, d = 96) on CPU
+def recorded_decode_launches(paged: bool, merge_in_split: bool = False, page_stride: int | None = None,
+                             rules: bool = False, validate: bool = False, num_splits: int = 3) -> dict:
+    """{kind: (args, kwargs)} of one decode step (2 new tokens, GQA 4:1, d = 96, 3 splits) on CPU
     tensors, contiguous or with 16-key pages, merged by the combine kernel or in the split kernel
     (throwaway process, as `recorded_launches`). `page_stride`: paged caches of that page stride
-    (meta tensors, never read: a stride past int32, or 1, which the launch makes a constant)."""
+    (meta tensors, never read: a stride past int32, or 1, which the launch makes a constant).
+    `rules`: every score rule on (window, softcap, ALiBi, sinks); `validate`: the launch records
+    invalid lengths and pages."""
     recorders = {kind: RecordedLaunch() for kind in DECODE_KERNELS}
     for kind, name in DECODE_KERNELS.items():
         setattr(decode_kernel, name, recorders[kind])
@@ -77,7 +80,11 @@ def recorded_decode_launches(paged: bool, merge_in_split: bool = False, page_str
     else:
         (k, v), table = (torch.randn(2, 2, 304, 96, dtype=torch.bfloat16) for _ in range(2)), None
     config = decode_kernel.default_config(8, 96, 96)._replace(merge_in_split=merge_in_split)
-    decode_kernel.decode_forward(q, k, v, seqlens, table, 0.1, num_splits=3, config=config)
+    score_rules = decode_kernel.DecodeRules(
+        window_left=100, softcap=30.0, alibi_slopes=torch.rand(8).expand(2, 8), sinks=torch.randn(8),
+    ) if rules else decode_kernel.NO_RULES
+    decode_kernel.decode_forward(q, k, v, seqlens, table, 0.1, num_splits=num_splits, config=config,
+                                 rules=score_rules, validate=validate)
     return {kind: recorder.calls[0] for kind, recorder in recorders.items() if recorder.calls}
 
 
@@ -116,7 +123,10 @@ CASES = {
 DECODE_CASES = {"decode-contiguous": (False, False), "decode-paged": (True, False),
                 "decode-paged-merge-in-split": (True, True),
                 "decode-paged-page-stride-past-int32": (True, False, 2**31 + 2 * 16 * 96),
-                "decode-paged-page-stride-one": (True, False, 1)}
+                "decode-paged-page-stride-one": (True, False, 1),
+                "decode-paged-rules-validate": (True, False, None, True, True),
+                "decode-contiguous-rules-one-split": (False, False, None, True, False, 1),
+                "decode-paged-merge-in-split-rules-validate": (True, True, None, True, True)}
 
 
 def compile_case(case: str) -> dict:
@@ -143,7 +153,9 @@ def test_every_kernel_compiles_for_sm90(case):
     run = subprocess.run([sys.executable, __file__, case], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])
-    expected = {"decode-paged-merge-in-split": ["decode-split"]}.get(
+    split_only = ["decode-split"]
+    expected = {"decode-paged-merge-in-split": split_only, "decode-paged-merge-in-split-rules-validate": split_only,
+                "decode-contiguous-rules-one-split": split_only}.get(
         case, sorted(DECODE_KERNELS if case in DECODE_CASES else KERNELS))
     assert sorted(shared) == expected
     assert all(size <= 232448 for size in shared.values()), shared

@@ -5,8 +5,10 @@ from .attention import attention, explain_backend
 from .backends import BackendChoice
 from .decode import decode
 from .dropout import dropout_mask
+from .errors import check_errors
 from .sdpa import sdpa
 from .varlen import attention_varlen, explain_varlen_backend
+from .warmup import warmup
 from . import reference
 
 __version__ = "0.1.0"
@@ -16,6 +18,7 @@ __all__ = [
     "BlockSummary",
     "attention",
     "attention_varlen",
+    "check_errors",
     "decode",
     "dropout_mask",
     "explain_backend",
@@ -26,4 +29,5 @@ __all__ = [
     "reference",
     "sdpa",
     "summarize",
+    "warmup",
 ]

@@ -12,11 +12,16 @@ the `L = cache_seqlens[b]` valid keys; for Nq = 3, L = 6 (`x` = allowed):
 
 Backends: "triton" (the split and combine kernels of
 `backends/triton/decode_kernel.py`, CUDA), "tiled" (`tiled_forward` per split,
-any device), "auto" (triton on CUDA, else tiled).
+any device), "auto" (triton on CUDA, else tiled). Under `torch.compile` the Triton
+path runs as the opaque custom op `exattn::decode_triton` (`decode_triton_op`).
+
+Validation: the Triton path checks lengths and page ids in its kernels and reports
+through `exattn.errors` (no device sync); the tiled path reads them on the host.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
+from . import errors
 from .algebra import merge_states
 from .backends.tiled import tiled_forward
 from .problem import (
@@ -44,7 +50,8 @@ class DecodeProblem:
     q: (B, Hq, Nq, D). Contiguous: k_cache (B, Hk, Nmax, D), v_cache (B, Hk, Nmax, Dv),
     block_table None. Paged: k_cache (num_pages, Hk, page_size, D), v_cache
     (num_pages, Hk, page_size, Dv), block_table int32 (B, max_pages).
-    seqlens: int32 (B,) on q's device.
+    seqlens: int32 (B,) on q's device, not yet checked against Nq and the cache: `validate` says
+    whether the backend does (`check_lengths`, or the kernels through `exattn.errors`).
     """
 
     q: torch.Tensor
@@ -57,6 +64,15 @@ class DecodeProblem:
     window_left: int = UNBOUNDED
     softcap: float = 0.0
     rules: ScoreRules | None = None
+    validate: bool = True
+
+    @property
+    def key_span(self) -> int:
+        """Keys of one sequence the kernels' splits may cover: the capacity, or with a window the keys
+        it leaves (`DecodeRules.key_span`)."""
+        if self.window_left == UNBOUNDED:
+            return self.capacity
+        return min(self.capacity, self.window_left + self.q.shape[2])
 
     @property
     def score_rules_in_use(self) -> list[str]:
@@ -119,6 +135,8 @@ def check_cache_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged:
         raise ValueError(f"head dims must be positive, got D={head_dim}, Dv={v.shape[3]}")
     if paged and k.shape[2] == 0:
         raise ValueError("k_cache page size must be positive, got 0")
+    if paged and k.shape[0] == 0 and batch:
+        raise ValueError("k_cache holds no pages (num_pages = 0), but every sequence needs at least Nq keys")
 
 
 def check_num_splits(num_splits: object) -> int:
@@ -130,7 +148,8 @@ def check_num_splits(num_splits: object) -> int:
 
 
 def check_lengths(problem: DecodeProblem) -> None:
-    """The checks that read device values (one host sync): lengths and used pages."""
+    """The tiled path's check of lengths and used pages, on the host (one device sync; the
+    tiled path syncs anyway). The Triton path checks in its kernels (`exattn.errors`)."""
     lens, len_q, capacity = problem.seqlens, problem.q.shape[2], problem.capacity
     if lens.numel() == 0:
         return
@@ -142,23 +161,16 @@ def check_lengths(problem: DecodeProblem) -> None:
     low, high, *pages = torch.stack(stats).tolist()
     if low < len_q:
         b = int(torch.nonzero(lens < len_q)[0])
-        raise ValueError(
-            f"cache_seqlens[{b}] = {int(lens[b])} is below Nq = {len_q}: the new tokens "
-            "are the last Nq keys of each sequence, so every length must be >= Nq"
-        )
+        raise ValueError(errors.length_below_queries(b, int(lens[b]), len_q))
     if high > capacity:
         b = int(torch.nonzero(lens > capacity)[0])
-        holds = (f"the pages block_table names hold {problem.block_table.shape[1]} x "
-                 f"{problem.page_size} = {capacity} keys" if problem.paged
-                 else f"k_cache holds {capacity} keys per sequence")
-        raise ValueError(f"cache_seqlens[{b}] = {int(lens[b])} is beyond the cache: {holds}")
-    if pages and (pages[0] < 0 or pages[1] >= problem.k_cache.shape[0]):
-        bad = used_pages(problem) & ((problem.block_table < 0) | (problem.block_table >= problem.k_cache.shape[0]))
+        page_size = problem.page_size if problem.paged else 0
+        raise ValueError(errors.length_beyond_cache(b, int(lens[b]), capacity, page_size))
+    num_pages = problem.k_cache.shape[0]
+    if pages and (pages[0] < 0 or pages[1] >= num_pages):
+        bad = used_pages(problem) & ((problem.block_table < 0) | (problem.block_table >= num_pages))
         b, p = (int(i) for i in torch.nonzero(bad)[0])
-        raise ValueError(
-            f"block_table[{b}, {p}] = {int(problem.block_table[b, p])} is not a page of k_cache "
-            f"(expected 0 <= page < num_pages = {problem.k_cache.shape[0]})"
-        )
+        raise ValueError(errors.page_out_of_range(b, p, int(problem.block_table[b, p]), num_pages))
 
 
 def used_pages(problem: DecodeProblem) -> torch.Tensor:
@@ -180,23 +192,21 @@ def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, 
         check_int_tensor("block_table", block_table, (batch, None), q)
     check_cache_shapes(q, k_cache, v_cache, paged)
     capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    if capacity < len_q and batch:
+        raise ValueError(f"the cache holds {capacity} keys per sequence, fewer than Nq = {len_q}: "
+                         "no length is valid")
     if cache_seqlens is None:
-        if capacity < len_q:
-            raise ValueError(f"the cache holds {capacity} keys per sequence, fewer than Nq = {len_q}")
         cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
     check_int_tensor("cache_seqlens", cache_seqlens, (batch,), q)
     if not isinstance(validate, bool):
         raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
     rules = check_score_rules(batch=batch, heads_q=q.shape[1], len_q=len_q, len_k=capacity, device=q.device,
                               dtype=q.dtype, alibi_slopes=alibi_slopes, sinks=sinks)
-    problem = DecodeProblem(
+    return DecodeProblem(
         q=q, k_cache=k_cache, v_cache=v_cache, seqlens=cache_seqlens, block_table=block_table,
         scale=check_scale(scale, q.shape[3]), num_splits=check_num_splits(num_splits),
-        window_left=check_window(window, True)[0], softcap=check_softcap(softcap), rules=rules,
+        window_left=check_window(window, True)[0], softcap=check_softcap(softcap), rules=rules, validate=validate,
     )
-    if validate:
-        check_lengths(problem)
-    return problem
 
 
 # ---------------------------------------------------------------- planning
@@ -275,20 +285,25 @@ def split_chunk(longest: int, num_splits: int, align: int) -> int:
 def triton_reasons(problem: DecodeProblem) -> list[str]:
     """Why the Triton decode kernel cannot serve this problem (empty: it can).
 
-    The device, dtype and head-dim rules are those of the Triton backend.
+    The device, dtype and head-dim rules are those of the Triton backend; every score rule
+    `decode` takes runs in the kernels.
     """
+    q = problem.q
+    return list(kernel_reasons(q.device, q.dtype, max(q.shape[3], problem.v_cache.shape[3])))
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: decided once, at trace time
+def kernel_reasons(device: torch.device, dtype: torch.dtype, widest: int) -> tuple[str, ...]:
     from .backends.triton import MAX_HEAD_DIM, SUPPORTED_DTYPES, device_reasons, triton_importable
 
     if not triton_importable():
-        return ["triton is not installed"]
-    q, reasons = problem.q, device_reasons(problem.q.device)
-    reasons += [f"{name} is not in the decode kernels yet" for name in problem.score_rules_in_use]
-    if q.dtype not in SUPPORTED_DTYPES:
-        reasons.append(f"dtype {q.dtype} computes on the tiled backend")
-    widest = max(q.shape[3], problem.v_cache.shape[3])
+        return ("triton is not installed",)
+    reasons = device_reasons(device)
+    if dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {dtype} computes on the tiled backend")
     if widest > MAX_HEAD_DIM:
         reasons.append(f"head dim {widest} > {MAX_HEAD_DIM}")
-    return reasons
+    return tuple(reasons)
 
 
 def choose_decode_backend(problem: DecodeProblem, backend: object) -> str:
@@ -377,32 +392,63 @@ def gluon_marks(fills_gpu: bool, max_seqlen: int, rows: int, head_dim: int, valu
 
 
 def triton_plan(problem: DecodeProblem) -> tuple[DecodeConfig, int]:
-    """The split kernel's configuration and split count (`problem.num_splits`, or planned if 0)."""
+    """The split kernel's configuration and split count (`problem.num_splits`, or planned if 0), planned
+    for the keys a sequence may use (with a window, those it leaves)."""
     from .backends.triton.configs import multiprocessor_count
 
     q = problem.q
     num_sms = multiprocessor_count(q.device) if q.is_cuda else 1
     heads_k = problem.k_cache.shape[1]
     rows = (q.shape[1] // heads_k) * q.shape[2]
-    config, planned = plan_launch(q.shape[0], heads_k, rows, q.shape[3], problem.v_cache.shape[3],
-                                  problem.capacity, num_sms)
+    config, planned = plan_launch(q.shape[0], heads_k, rows, q.shape[3], problem.v_cache.shape[3], problem.key_span,
+                                  num_sms)
     return config, problem.num_splits or planned
 
 
 def run_triton(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon split kernel where the plan marks the launch and it serves the inputs, else the
+    Triton kernels. Validated: first raises what earlier calls' kernels recorded
+    (`errors.raise_recorded`: a host read, no sync), then the kernels check this call's inputs."""
+    if problem.validate:
+        errors.raise_recorded(problem.q.device)
+        errors.device_record(problem.q.device)  # made before any recording, so a replay writes to it too
+    return launch_triton(*triton_op_args(problem))
+
+
+def launch_triton(*op_args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`run_triton`'s launches for the arguments of `triton_op_args`, replayed for a signature seen
+    before (`backends/triton/replay.py`)."""
+    return replayed_plan_and_launch()(*op_args)
+
+
+@functools.cache
+def replayed_plan_and_launch():
+    from .backends.triton import replay_key, replays
+    from .backends.triton.replay import replayable
+
+    return replayable(replay_key, lambda q, *rest: replays(q, 0.0))(plan_and_launch)
+
+
+def plan_and_launch(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale, num_splits,
+                    window_left, softcap, validate) -> tuple[torch.Tensor, torch.Tensor]:
     from .backends.triton import decode_kernel
     from .backends.triton.passes import settings
 
+    problem = problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale,
+                                   num_splits, window_left, softcap, validate)
     config, num_splits = triton_plan(problem)
     if config.gluon and settings.use_gluon:
         from .backends.triton.gluon_decode import gluon_decode_forward, gluon_decode_reasons
 
-        if not gluon_decode_reasons(problem.q, problem.k_cache, problem.v_cache, problem.block_table):
+        if not gluon_decode_reasons(problem.q, problem.k_cache, problem.v_cache, problem.block_table,
+                                    problem.score_rules_in_use):
             return gluon_decode_forward(problem.q, problem.k_cache, problem.v_cache, problem.seqlens,
-                                        problem.scale, num_splits)
+                                        problem.scale, num_splits, validate=problem.validate)
+    rules = problem.rules or ScoreRules()
+    kernel_rules = decode_kernel.DecodeRules(problem.window_left, problem.softcap, rules.alibi_slopes, rules.sinks)
     return decode_kernel.decode_forward(
         problem.q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table,
-        problem.scale, num_splits, config,
+        problem.scale, num_splits, config, kernel_rules, problem.validate,
     )
 
 
@@ -448,26 +494,76 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
 def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """`tiled_forward` on each split (a mask carries the lengths, the causal rule, the window and
     ALiBi), merged with `merge_states` in the compute dtype, then the sinks. Syncs once to read
-    the longest length."""
+    the longest length. Validated, it checks lengths and pages on the host first (`check_lengths`);
+    either way it reads them clamped as the kernels do (`clamped`)."""
+    if problem.validate:
+        check_lengths(problem)
+    problem = clamped(problem)
     q, lens = problem.q, problem.seqlens
     batch, heads_q, len_q, _ = q.shape
     longest = int(lens.max())
     chunk = split_chunk(longest, max(1, problem.num_splits), problem.page_size)
     params = AttentionParams(scale=problem.scale, softcap=problem.softcap)
     q_acc = q.to(compute_dtype(q.dtype))
-    state = None
+    out = q_acc.new_zeros(batch, heads_q, len_q, problem.v_cache.shape[3])
+    lse = q_acc.new_full((batch, heads_q, len_q), float("-inf"))  # no key yet: merging it changes nothing
     for lo in range(0, longest, chunk):
         hi = min(lo + chunk, longest)
         k, v = split_keys(problem, lo, hi)
-        key = torch.arange(lo, hi, device=q.device)
-        v = v.masked_fill((key >= lens[:, None])[:, None, :, None], 0)  # stale slots may hold NaN
+        stale = (torch.arange(lo, hi, device=q.device) >= lens[:, None])[:, None, :, None]
+        k, v = k.masked_fill(stale, 0), v.masked_fill(stale, 0)  # stale slots may hold NaN, which a bias keeps
         mask = split_mask(problem, lo, hi)
-        part = tiled_forward(q_acc, k, v, mask.expand(batch, heads_q, len_q, hi - lo), params)
-        state = part if state is None else merge_states(*state, *part)
-    out, lse = state
+        out, lse = merge_states(out, lse, *tiled_forward(q_acc, k, v, mask.expand(batch, heads_q, len_q, hi - lo),
+                                                         params))
     if problem.rules is not None and problem.rules.sinks is not None:
         out, lse = add_sinks(out, lse, problem.rules.sinks)
     return out.to(q.dtype), lse
+
+
+def clamped(problem: DecodeProblem) -> DecodeProblem:
+    """The problem with lengths clamped to [0, capacity] and page ids to [0, num_pages), as the
+    kernels read them: with validate=False nothing outside the caches is read either."""
+    table = problem.block_table
+    if table is not None:
+        table = table.clamp(0, problem.k_cache.shape[0] - 1)
+    return dataclasses.replace(problem, seqlens=problem.seqlens.clamp(0, problem.capacity), block_table=table)
+
+
+# ---------------------------------------------------------------- torch.compile
+
+@torch.library.custom_op("exattn::decode_triton", mutates_args=())
+def decode_triton_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
+    block_table: torch.Tensor | None, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+    scale: float, num_splits: int, window_left: int, softcap: float, validate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`run_triton` as one opaque op for `torch.compile` (no backward: decoding has none): out
+    (B, Hq, Nq, Dv) in q's dtype, lse (B, Hq, Nq) float32. The arguments are a validated
+    `DecodeProblem`'s (`triton_op_args`)."""
+    return run_triton(problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale,
+                                           num_splits, window_left, softcap, validate))
+
+
+def problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale, num_splits,
+                         window_left, softcap, validate) -> DecodeProblem:
+    """The `DecodeProblem` of `triton_op_args`' arguments."""
+    rules = ScoreRules(alibi_slopes=alibi_slopes, sinks=sinks)
+    return DecodeProblem(
+        q=q, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens, block_table=block_table, scale=scale,
+        num_splits=num_splits, window_left=window_left, softcap=softcap, rules=rules if rules.in_use() else None,
+        validate=validate,
+    )
+
+
+@decode_triton_op.register_fake
+def _(q, k_cache, v_cache, *args):
+    return q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def triton_op_args(problem: DecodeProblem) -> tuple:
+    rules = problem.rules or ScoreRules()
+    return (problem.q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table, rules.alibi_slopes,
+            rules.sinks, problem.scale, problem.num_splits, problem.window_left, problem.softcap, problem.validate)
 
 
 # ---------------------------------------------------------------- public entry point
@@ -513,14 +609,29 @@ def decode(
             independently and merged exactly; 0 lets the backend choose.
         return_lse: also return lse (B, Hq, Nq), natural log, float32.
         backend: "auto" (triton on CUDA, else tiled), "triton" or "tiled".
-        validate: check the lengths against Nq and the cache, and the used
-            pages, which syncs with the device; False skips it (CUDA graphs,
-            the hot decode loop), and then out-of-range lengths are undefined.
+        validate: check each length against [Nq, capacity] and each used page id against
+            [0, num_pages), without a device sync on the Triton path: its kernels record the
+            first violation, and it surfaces as a ValueError naming the sequence at the first
+            validated call that starts after that kernel finished, or at
+            `exattn.check_errors()` (`exattn.errors`). The tiled path checks on the host, before
+            computing. False skips the checks (CUDA graphs, the hot decode loop): an invalid length
+            or page id then gives meaningless output for that sequence. Either way lengths are
+            read clamped to [0, capacity] and page ids to [0, num_pages), so nothing outside the
+            caches is read. Validated calls can be captured in CUDA graphs too (after one
+            validated call on that device outside the capture): replays record, and
+            `check_errors()` after them raises.
         window: (left, right) as in `attention`, around each new token's own position
-            L - Nq + t (decoding is causal, so only `left` narrows what a token sees).
+            L - Nq + t (decoding is causal, so only `left` narrows what a token sees). The
+            Triton kernels read only the key blocks some token's window reaches.
         softcap, alibi_slopes, sinks: as in `attention` (ALiBi's distance is between the
-            token's position and the key's). These run on the tiled backend for now: the
-            decode kernels do not apply them yet (`backend="triton"` says so).
+            token's position and the key's; the sink joins each row's softmax once, and lse
+            includes it). All four run in the Triton decode kernels and on the tiled backend.
+
+    Under `torch.compile` (fullgraph=True, any mode, "reduce-overhead" included) the Triton path
+    runs as the opaque custom op `exattn::decode_triton`. validate=True needs no sync there either;
+    inside replayed CUDA graphs (mode="reduce-overhead") nothing runs on the host, so errors recorded
+    by replays surface at `check_errors()` or the next eager validated call. The tiled path reads
+    the longest length on the host, which a fullgraph compile cannot trace.
 
     Returns:
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
@@ -530,6 +641,8 @@ def decode(
     name = choose_decode_backend(problem, backend)
     if q.shape[0] == 0:
         out, lse = q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
+    elif name == "triton" and torch.compiler.is_compiling():
+        out, lse = decode_triton_op(*triton_op_args(problem))
     else:
         out, lse = run_triton(problem) if name == "triton" else run_tiled(problem)
     if not return_lse:

@@ -64,8 +64,8 @@ class ScoreRules(NamedTuple):
     alibi_slopes: float32 (B, Hq) (a (Hq,) argument expanded, a view; stride 0 over B):
         adds -slope[b, h] * |i + Nk - Nq - j| to the score. No gradient.
     sinks: float32 (Hq,): a virtual key with logit sinks[h] and a zero value joins every
-        row's softmax. The only differentiable rule (RecomputingAttention and the tiled
-        custom ops pass it as an input of its own).
+        row's softmax. The only differentiable rule (RecomputingAttention and the custom
+        ops of `backends.custom_ops` pass it as an input of its own).
     (Slopes and sinks may be float64 when q is float64.) Values are never read at
     validation; the tiled backend reads max(prefix) and per-block segment-id ranges.
 

@@ -39,6 +39,7 @@ import torch
 
 from .backends import AUTO_PRIORITY, BackendChoice, check_backend_name
 from .backends.autograd import row_delta
+from .backends.custom_ops import PACKED, define_attention_ops
 from .backends.naive import NaiveBackend
 from .backends.tiled import tiled_backward, tiled_forward
 from .masks import sinks_grad
@@ -180,6 +181,9 @@ def make_varlen_problem(
             )
     if not isinstance(validate, bool):
         raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    if validate and torch.compiler.is_compiling():
+        raise ValueError("validate=True reads the offsets to the host, which torch.compile cannot trace: "
+                         "pass validate=False there (and check the offsets outside the compiled code)")
     if validate:
         check_offset_values("cu_seqlens_q", offsets_to_host(cu_q), q.shape[0], "total_q", max_q, "max_seqlen_q")
         check_offset_values("cu_seqlens_k", offsets_to_host(cu_k), k.shape[0], "total_k", max_k, "max_seqlen_k")
@@ -286,6 +290,17 @@ class VarlenPasses(NamedTuple):
 TILED_PASSES = VarlenPasses(tiled_varlen_forward, tiled_varlen_backward)
 
 
+def triton_varlen_passes() -> VarlenPasses:
+    from .backends.triton.varlen import triton_varlen_backward, triton_varlen_forward
+
+    return VarlenPasses(triton_varlen_forward, triton_varlen_backward)
+
+
+VARLEN_PASSES = {"tiled": lambda: TILED_PASSES, "triton": triton_varlen_passes}
+# Under torch.compile: exattn::tiled_varlen_* and exattn::triton_varlen_* (backends/custom_ops.py).
+VARLEN_OPS = {name: define_attention_ops(f"{name}_varlen", PACKED, load) for name, load in VARLEN_PASSES.items()}
+
+
 class VarlenAttention(torch.autograd.Function):
     """Saves q, k, v, out, lse and the offsets (no N x N tensor); no gradient into the offsets.
     `sinks` is `rules.sinks` again, an input of its own so that it gets its gradient."""
@@ -376,14 +391,10 @@ def run_varlen(problem: VarlenProblem, backend: str = "auto") -> tuple[torch.Ten
     name = choose_varlen_backend(problem, backend).name
     if name == "naive":
         return naive_varlen(problem)
-    if name == "tiled":
-        passes = TILED_PASSES
-    else:
-        from .backends.triton.varlen import triton_varlen_backward, triton_varlen_forward
-
-        passes = VarlenPasses(triton_varlen_forward, triton_varlen_backward)
-    args = (problem.q, problem.k, problem.v, problem.cu_seqlens_q, problem.cu_seqlens_k,
-            problem.max_seqlen_q, problem.max_seqlen_k, problem.params, passes)
+    packing = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.max_seqlen_q, problem.max_seqlen_k)
+    if torch.compiler.is_compiling():
+        return VARLEN_OPS[name].attend(problem.q, problem.k, problem.v, packing, problem.params, problem.rules)
+    args = (problem.q, problem.k, problem.v, *packing, problem.params, VARLEN_PASSES[name]())
     if problem.rules is None:
         return VarlenAttention.apply(*args)
     return VarlenAttention.apply(*args, problem.rules, problem.rules.sinks)
@@ -444,9 +455,10 @@ def attention_varlen(
         backend: "auto", "triton", "tiled" or "naive" (see `explain_varlen_backend`).
         block_m, block_n: query and key tile sizes; None lets the backend choose.
         validate: check the offsets' values (may sync with the device). False skips
-            those checks (CUDA graphs); offsets that break the rules are then undefined
-            behaviour. The "tiled" and "naive" paths read the offsets to the host anyway
-            (they loop over sequences there), so only the fused path can be graph-captured.
+            those checks (CUDA graphs; required under torch.compile); offsets that break
+            the rules are then undefined behaviour. The "tiled" and "naive" paths read the
+            offsets to the host anyway (they loop over sequences there), so only the fused
+            path can be graph-captured.
         prefix: int or int32 (B,): local keys j < prefix[b] are allowed whatever causal and
             window say.
         softcap: float > 0, or 0 for off: score -> softcap * tanh(score / softcap).

@@ -10,7 +10,7 @@ decoding reuse, with no autograd:
 
 (`accumulate_into=(dq, dk, dv)` in the compute dtype: add into those, return them.)
 `rules` is None or a `ScoreRules` (segment ids, prefix, ALiBi slopes, sinks; softcap is
-`params.softcap`); only "tiled" takes it so far, and callers pass it only when it is not
+`params.softcap`); both fused backends take it, and callers pass it only when it is not
 None. The sinks' gradient is not a pass's: `masks.sinks_grad` computes it from lse.
 
 `mask` is None or broadcast to (B, Hq, Nq, Nk); `params` is an

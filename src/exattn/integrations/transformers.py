@@ -19,7 +19,7 @@ unregistered name no mask at all (padding would be silently ignored):
   on a packed batch (the `cu_seq_lens_q/k`, `max_length_q/k` keywords, as
   `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` makes them),
   `exattn.decode` for a few new tokens over a longer cache (no mask, causal or
-  Nq = 1, no dropout, no gradient, and no softcap, sinks or window), else
+  Nq = 1, no dropout, no gradient; with the softcap, sinks and window), else
   `exattn.attention` with the mask, the module's `scaling`, the `dropout`,
   `softcap` (Gemma 2's `attn_logit_softcapping`), `s_aux` (gpt-oss's sinks)
   and `sliding_window` transformers passes, and K/V heads shared across query
@@ -219,10 +219,9 @@ def exattn_attention_forward(
     # every key (Nk <= w: a sliding cache's decoding step), where `decode` may still serve it.
     if attention_mask is None and causal and sliding_window is not None and sliding_window < key.shape[2]:
         window = (sliding_window - 1, 0)
-    plain = softcap == 0.0 and sinks is None and window is None  # what `decode` takes today
-    if attention_mask is None and plain and use_decode(query, key, value, causal, dropout):
-        # Every key is valid (no cache_seqlens), so there is nothing to validate (and no sync).
-        out = decode(query, key, value, scale=scaling, validate=False)
+    if attention_mask is None and use_decode(query, key, value, causal, dropout, sinks):
+        # Every key is valid (no cache_seqlens), so there is nothing to validate.
+        out = decode(query, key, value, scale=scaling, validate=False, window=window, softcap=softcap, sinks=sinks)
     else:
         out = attention(
             query, key, value, causal=attention_mask is None and causal, window=window,
@@ -270,10 +269,11 @@ def longest(max_length, offsets: torch.Tensor) -> int:
     return max_length if isinstance(max_length, int) else int(max_length)
 
 
-def use_decode(query, key, value, causal: bool, dropout: float) -> bool:
+def use_decode(query, key, value, causal: bool, dropout: float, sinks: torch.Tensor | None = None) -> bool:
     """A few new tokens over a longer KV cache, inference only: `exattn.decode` serves it."""
     len_q, len_k = query.shape[2], key.shape[2]
-    differentiating = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    differentiating = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (query, key, value, sinks))
     return (
         len_q <= DECODE_MAX_QUERIES and len_q < len_k and (causal or len_q == 1)
         and dropout == 0.0 and not differentiating

@@ -21,6 +21,7 @@ import torch
 from ...problem import AttentionParams, AttentionProblem
 from ..autograd import RecomputingAttention
 from .configs import MAX_HEAD_DIM, capability_of, interpreting, tile_problems
+from .replay import replayable
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Where the Gluon kernels beat the Triton ones on the H200: head dim -> shortest query
@@ -67,24 +68,31 @@ def device_reasons(device: torch.device) -> list[str]:
 
 def problem_reasons(problem: AttentionProblem) -> list[str]:
     """Every reason the kernels cannot serve this problem (empty if they can)."""
+    rules = getattr(problem, "rules", None)
+    mask = problem.mask
+    return list(reasons_for(
+        problem.q.device, problem.q.dtype, problem.head_dim, problem.value_dim, problem.params.block_m,
+        problem.params.block_n, None if mask is None else mask.device, tuple(rules.in_use()) if rules else (),
+        interpreting(),
+    ))
+
+
+@functools.lru_cache(maxsize=256)
+def reasons_for(device, dtype, head_dim, value_dim, block_m, block_n, mask_device, rules_in_use, interpret) -> tuple:
+    """`problem_reasons` from what it depends on (cached: it is on every call's host path)."""
     if not triton_importable():
-        return ["triton is not installed"]
-    q = problem.q
-    reasons = device_reasons(q.device)
-    if q.dtype not in SUPPORTED_DTYPES:
-        reasons.append(f"dtype {q.dtype} is not supported (float16, bfloat16, float32)")
-    for name, dim in (("head dim D", problem.head_dim), ("value dim Dv", problem.value_dim)):
+        return ("triton is not installed",)
+    reasons = device_reasons(device)
+    if dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {dtype} is not supported (float16, bfloat16, float32)")
+    for name, dim in (("head dim D", head_dim), ("value dim Dv", value_dim)):
         if dim > MAX_HEAD_DIM:
             reasons.append(f"{name}={dim} exceeds {MAX_HEAD_DIM}")
-    params = problem.params
-    reasons += tile_problems(params.block_m, params.block_n)
-    if problem.mask is not None and problem.mask.device != q.device:
-        reasons.append(f"mask is on {problem.mask.device}, not {q.device}")
-    rules = getattr(problem, "rules", None)
-    if rules is not None:
-        reasons += [f"{name} is not in the Triton kernels yet" for name in rules.in_use()
-                    if name in KERNELS_LACK]
-    return reasons
+    reasons += tile_problems(block_m, block_n)
+    if mask_device is not None and mask_device != device:
+        reasons.append(f"mask is on {mask_device}, not {device}")
+    reasons += [f"{name} is not in the Triton kernels yet" for name in rules_in_use if name in KERNELS_LACK]
+    return tuple(reasons)
 
 
 def gluon_serves_rules(params: AttentionParams, rules) -> bool:
@@ -111,6 +119,22 @@ def gluon_length_ok(min_len: dict[int, int], head_dim: int, len_q: int) -> bool:
     return head_dim in min_len and len_q >= min_len[head_dim]
 
 
+def replay_key() -> tuple:
+    """What a replayed pass depends on beyond its arguments: the backend's settings."""
+    from .passes import settings
+
+    return (settings.atomic_dq, settings.ordered_dq, settings.rotated_dq_order, settings.use_tma, settings.use_gluon)
+
+
+def replays(tensor: torch.Tensor, dropout_p: float) -> bool:
+    """Whether a pass's launches are replayed (`replay.py`): on CUDA, without dropout (whose seed
+    changes every call)."""
+    from .passes import settings
+
+    return settings.replay and tensor.is_cuda and dropout_p == 0 and not interpreting()
+
+
+@replayable(replay_key, lambda q, k, v, mask, params, rules=None: replays(q, params.dropout_p))
 def triton_forward(q, k, v, mask, params: AttentionParams, rules=None):
     """Raw forward pass: out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32 natural log.
 
@@ -130,6 +154,7 @@ def triton_forward(q, k, v, mask, params: AttentionParams, rules=None):
     return run(q, k, v, mask, params, rules=rules)
 
 
+@replayable(replay_key, lambda dout, q, k, v, mask, out, lse, params, *rest, **named: replays(q, params.dropout_p))
 def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None, rules=None):
     """Raw backward pass: dq, dk, dv for `triton_forward`, or added into `accumulate_into`.
 
@@ -170,6 +195,10 @@ class TritonBackend:
         reasons = self.not_supported_reasons(problem)
         if reasons:
             raise ValueError(f"backend 'triton' cannot serve these inputs: {'; '.join(reasons)}")
+        if torch.compiler.is_compiling():
+            from ..custom_ops import compiled_attention
+
+            return compiled_attention(self.name, problem)  # the same passes, opaque to the compiler
         args = (problem.q, problem.k, problem.v, problem.mask, problem.params, self)
         rules = problem.rules
         if rules is None:

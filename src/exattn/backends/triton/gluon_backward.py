@@ -93,6 +93,7 @@ from .gluon_forward import (
     wgmma_layout,
 )
 from .passes import LOG2E, grid_of, on_device, settings
+from .replay import run_kernel
 
 
 class GluonBackwardConfig(NamedTuple):
@@ -805,7 +806,7 @@ def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pa
     block = STATS_ROWS
     row_tiles = ceil_div(len_q_pad, block)
     assert semaphores is None or semaphores.shape == (batch * heads_q, row_tiles) and semaphores.is_contiguous()
-    row_stats_kernel[grid_of(row_tiles, batch * heads_q)](
+    run_kernel(row_stats_kernel, grid_of(row_tiles, batch * heads_q),
         out, dout, lse, lse2, delta, semaphores, out.stride(), dout.stride(), lse.stride(), heads_q, len_q, len_q_pad,
         row_tiles, D=out.shape[-1], BLOCK=block, num_warps=4,
     )
@@ -959,11 +960,11 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     options = kernel_options(cfg, causal, accumulate_into is not None)
     args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores,
                                 accumulate_into is not None)
-    gluon_dkdv_kernel[grid](*args, *scalars, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots,
+    run_kernel(gluon_dkdv_kernel, grid, *args, *scalars, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots,
                             ALTERNATE_DQ=cfg.alternate_dq, ROTATE=rotated_sweeps(path, causal, len_q, dim), **options)
     if not dq_in_dkdv:
         args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg, options["CAUSAL"])
-        gluon_dq_kernel[grid](*args, *scalars, STAGES=cfg.dq_stages, **options)
+        run_kernel(gluon_dq_kernel, grid, *args, *scalars, STAGES=cfg.dq_stages, **options)
     elif dq_sum is not dq:
         dq.add_(dq_sum) if accumulate_into is not None else dq.copy_(dq_sum)
     return dq, dk, dv

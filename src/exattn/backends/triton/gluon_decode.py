@@ -1,12 +1,14 @@
 """Split-KV decode for Hopper (sm_90) in Gluon, for contiguous caches.
 
     gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits) -> (out, lse)
-    gluon_decode_reasons(q, k_cache, v_cache, block_table) -> why it cannot serve (empty: it can)
+    gluon_decode_reasons(q, k_cache, v_cache, block_table, rules) -> why it cannot serve (empty: it can)
 
 Same contract and split rule as `decode_kernel.decode_forward` (its partial results merged by
 the same rule, in the split kernel where `merge_shape` allows, else by its combine kernel), for the
 launches `plan_launch` marks (`DecodeConfig.gluon`): D = Dv = 128, up to 16 query rows (G * Nq) per
-K/V head, fp16/bf16, contiguous caches.
+K/V head, fp16/bf16, contiguous caches, no score rule (window, softcap, ALiBi and sinks run on the
+Triton kernel). Lengths are clamped to [0, Nmax] and, with `validate`, checked as there
+(`record_length`, `exattn.errors`).
 
 What differs is how K/V bytes are asked for. The Triton kernel's software pipeline keeps two
 64-key blocks of K and V in flight and issues a block's copies after the block's arithmetic.
@@ -29,8 +31,10 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from . import decode_kernel
+from .decode_kernel import BOUND, INDEX, KIND, LENGTH_BELOW_NQ, LENGTH_BEYOND_CACHE, PAGE_SIZE_FIELD, SLOT, VALUE
 from .configs import ceil_div, gluon_device_reasons, multiprocessor_count, next_power_of_two, tma_compatible
 from .gluon_forward import as_box, broadcast_reasons, larger, plus, tile_descriptor
+from .replay import run_kernel
 
 BLOCK_N = 64
 ROWS = 16  # query rows one program carries (G * Nq padded to the mma's 16)
@@ -46,11 +50,15 @@ DTYPES = (torch.float16, torch.bfloat16)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
-def gluon_decode_reasons(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table) -> list[str]:
-    """Every reason `gluon_decode_forward` cannot serve these inputs (empty if it can)."""
+def gluon_decode_reasons(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table,
+                         rules: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Every reason `gluon_decode_forward` cannot serve these inputs (empty if it can); `rules`: the
+    score rules in use, by name."""
     from . import gluon_written_for_this_triton
 
     reasons = gluon_device_reasons(q.device)
+    if rules:
+        reasons.append(f"score rules ({', '.join(rules)}) run on the Triton decode kernel")
     if not gluon_written_for_this_triton():
         reasons.append("the Gluon kernels are written for Triton 3.6")
     if q.dtype not in DTYPES:
@@ -65,6 +73,30 @@ def gluon_decode_reasons(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if not tma_compatible(k_cache, v_cache):  # q is read by plain loads
         reasons.append("the caches' strides are not 16-byte aligned with a unit last stride")
     return reasons + broadcast_reasons(k_cache=k_cache, v_cache=v_cache)
+
+
+@gluon.jit
+def record_length(ERRORS, DOORBELL, b, given, len_q, capacity):
+    """`decode_kernel._check_sequence` for a contiguous cache, written again in Gluon: a length
+    outside [Nq, capacity]."""
+    if given < len_q:
+        claim_record(ERRORS, DOORBELL, LENGTH_BELOW_NQ, b, given, len_q)
+    if given > capacity:
+        claim_record(ERRORS, DOORBELL, LENGTH_BEYOND_CACHE, b, given, capacity)
+
+
+@gluon.jit
+def claim_record(ERRORS, DOORBELL, kind: gl.constexpr, b, value, bound):
+    """`decode_kernel._record` in Gluon: the first violation on the device claims the record and sets
+    the host's doorbell."""
+    if gl.atomic_cas(ERRORS, 0, 1) == 0:
+        gl.store(ERRORS + KIND, kind)
+        gl.store(ERRORS + INDEX, b)
+        gl.store(ERRORS + SLOT, 0)
+        gl.store(ERRORS + VALUE, value)
+        gl.store(ERRORS + BOUND, bound)
+        gl.store(ERRORS + PAGE_SIZE_FIELD, 0)
+        gl.store(DOORBELL, 1)
 
 
 @gluon.jit
@@ -167,12 +199,13 @@ def attend_block(q, slots, k_desc, v_desc, phase, b, hk, n0, hi, keys, last_key,
 def gluon_decode_split_kernel(
     Q, k_desc, v_desc, SEQLENS, OUT, LSE,
     stride_qb, stride_qh, stride_qt,
-    heads_k, group, len_q, num_splits, qk_scale,
+    heads_k, group, len_q, num_splits, qk_scale, capacity,
     ROWS: gl.constexpr,
     FINAL_OUT=None, FINAL_LSE=None, ARRIVALS=None,
     MERGE_ROWS: gl.constexpr = 0, MERGE_SPLITS: gl.constexpr = 0,
+    ERRORS=None, DOORBELL=None, VALIDATE: gl.constexpr = False,
 ):
-    """Descriptors (`tile_descriptor`): k, v (B, Hk, Nmax, D) with [1, 1, BLOCK_N, D] boxes."""
+    """Descriptors (`tile_descriptor`): k, v (B, Hk, Nmax, D) with [1, 1, BLOCK_N, D] boxes; capacity = Nmax."""
     D: gl.constexpr = k_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = k_desc.dtype
@@ -187,7 +220,12 @@ def gluon_decode_split_kernel(
     split = gl.program_id(1)
     b = pid // heads_k
     hk = pid % heads_k
-    length = gl.load(SEQLENS + b)
+    given = gl.load(SEQLENS + b)
+    length = gl.minimum(gl.maximum(given, 0), capacity)
+    if VALIDATE:
+        checks = (hk == 0) & (split == 0)  # one program a sequence
+        if checks:
+            record_length(ERRORS, DOORBELL, b, given, len_q, capacity)
     chunk = gl.cdiv(gl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = gl.minimum(lo + chunk, length)
@@ -260,9 +298,9 @@ def register_cap(programs: int, device: torch.device) -> dict:
     return {"maxnreg": FOUR_PER_SM_REGISTERS} if more_than_three else {}
 
 
-def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits, merge_in_split=True):
+def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits, merge_in_split=True, validate=False):
     """`decode_kernel.decode_forward` for inputs `gluon_decode_reasons` accepts (contiguous caches).
-    `merge_in_split`: merge in the split kernel where `merge_shape` allows."""
+    `merge_in_split`: merge in the split kernel where `merge_shape` allows; `validate`: as there."""
     batch, heads_q, len_q, head_dim = q.shape
     heads_k = k_cache.shape[1]
     num_splits = min(num_splits, ceil_div(k_cache.shape[2], BLOCK_N), 65535)
@@ -272,11 +310,11 @@ def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits, merge_
         FINAL_OUT=out, FINAL_LSE=lse, ARRIVALS=decode_kernel.arrival_counters(batch * heads_k, q.device),
         MERGE_ROWS=shape[0], MERGE_SPLITS=shape[1])
     cap = register_cap(batch * heads_k * num_splits, q.device)
-    gluon_decode_split_kernel[(batch * heads_k, num_splits)](
+    run_kernel(gluon_decode_split_kernel, (batch * heads_k, num_splits),
         q, tile_descriptor(k_cache, BLOCK_N), tile_descriptor(v_cache, BLOCK_N), seqlens.contiguous(),
         part_out, part_lse, *q.stride()[:3],
-        heads_k, heads_q // heads_k, len_q, num_splits, scale * decode_kernel.LOG2E,
-        ROWS=ROWS, num_warps=4, **cap, **merge,
+        heads_k, heads_q // heads_k, len_q, num_splits, scale * decode_kernel.LOG2E, k_cache.shape[2],
+        ROWS=ROWS, num_warps=4, **cap, **merge, **decode_kernel.validation_arguments(q.device, validate),
     )
     if num_splits > 1 and not merge:
         decode_kernel.combine_splits(part_out, part_lse, out, lse, heads_k)

@@ -48,6 +48,7 @@ from ...problem import UNBOUNDED, AttentionParams
 from . import schedule
 from .configs import ceil_div, gluon_device_reasons, multiprocessor_count, tma_compatible
 from .passes import on_device, scalar_args
+from .replay import run_kernel
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 HEAD_DIMS = (64, 128)
@@ -633,7 +634,7 @@ def launch(q, k, v, params: AttentionParams):
         return out.zero_(), lse.fill_(float("-inf"))
     causal = params.window == (UNBOUNDED, 0)
     args, grid = forward_arguments(q, k, v, out, lse, scalar_args(params)["scale_log2"], causal)
-    gluon_forward_kernel[grid](*args, **kernel_constants(dim, causal))
+    run_kernel(gluon_forward_kernel, grid, *args, **kernel_constants(dim, causal))
     return out, lse
 
 

@@ -20,9 +20,11 @@ import torch
 import triton
 
 from ...problem import UNBOUNDED, AttentionParams, check_accumulators
+from . import replay_key, replays
 from .backward_kernel import attention_delta_kernel, attention_dkdv_kernel, attention_dq_kernel
 from .configs import TileConfig, capability_of, ceil_div, choose_config, interpreting, padded_dim, tma_compatible
 from .forward_kernel import attention_forward_kernel
+from .replay import replayable, run_kernel
 
 LOG2E = 1.4426950408889634
 MAX_GRID = 2**31 - 1
@@ -66,6 +68,9 @@ class TritonSettings:
         Bitwise reproducible either way. Env: EXATTN_TRITON_ROTATED_DQ_ORDER=1 or 0 (unset: None).
     use_tma: load tiles through TMA tensor descriptors where the strides allow
         (Hopper and newer, and the interpreter). Env: EXATTN_TRITON_TMA=0 turns it off.
+    replay: replay each pass's kernel launches for a signature (shapes, strides, dtypes, alignment,
+        parameters) seen before, skipping the host-side planning and Triton's JIT front end
+        (`replay.py`). Env: EXATTN_TRITON_REPLAY=0 turns it off.
     use_gluon: on sm_90 run the forward and backward through the Gluon kernels
         (warp-specialized) at the head dims and lengths of GLUON_FORWARD_MIN_LEN and
         GLUON_BACKWARD_MIN_LEN, and the decode launches `plan_launch` marks `gluon`,
@@ -77,6 +82,7 @@ class TritonSettings:
     rotated_dq_order: bool | None = env_flag("EXATTN_TRITON_ROTATED_DQ_ORDER")
     use_tma: bool = env_flag("EXATTN_TRITON_TMA", True)
     use_gluon: bool = env_flag("EXATTN_TRITON_GLUON", True)
+    replay: bool = env_flag("EXATTN_TRITON_REPLAY", True)
 
 
 settings = TritonSettings()
@@ -262,6 +268,7 @@ def row_stats(q: torch.Tensor, packing: Packing | None) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=q.device)
 
 
+@replayable(replay_key, lambda q, k, v, mask, params, *rest, **named: replays(q, params.dropout_p))
 def triton_forward(q, k, v, mask, params: AttentionParams, packing: Packing | None = None, rules=None):
     """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32, natural log.
 
@@ -285,7 +292,7 @@ def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | No
     num_tiles = ceil_div(len_q, cfg.block_m)
     (q, q_strides), (k, k_strides), (v, v_strides), (out, o_strides) = (
         kernel_view(x, packing) for x in (q, k, v, out))
-    attention_forward_kernel[grid_of(num_tiles, batch * heads_q)](
+    run_kernel(attention_forward_kernel, grid_of(num_tiles, batch * heads_q),
         q, k, v, out, lse, mask_arg, *packing_args(q, packing)[:2], q_strides=q_strides, k_strides=k_strides,
         v_strides=v_strides, o_strides=o_strides, mask_strides=mask_strides, heads_q=heads_q,
         group=heads_q // heads_k, len_q=len_q, len_k=len_k, num_row_tiles=num_tiles,
@@ -300,6 +307,7 @@ def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | No
     return out, lse
 
 
+@replayable(replay_key, lambda dout, q, k, v, mask, out, lse, params, *rest, **named: replays(q, params.dropout_p))
 def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None,
                     packing: Packing | None = None, rules=None):
     """dq, dk, dv (in q, k, v's dtypes) for `triton_forward`, recomputing tiles from lse.
@@ -322,7 +330,7 @@ def row_deltas(out: torch.Tensor, dout: torch.Tensor, packing: Packing | None = 
     row_tiles = ceil_div(len_q, 64)
     (out, o_strides), (dout, do_strides) = (kernel_view(x, packing) for x in (out, dout))
     cu_q, _, stats_stride = packing_args(out, packing)
-    attention_delta_kernel[grid_of(row_tiles, batch * heads_q)](
+    run_kernel(attention_delta_kernel, grid_of(row_tiles, batch * heads_q),
         out, dout, delta, cu_q, o_strides, do_strides, heads_q, len_q, row_tiles, stats_stride,
         DV=dim_v, BLOCK_M=64, BLOCK_DV=padded_dim(dim_v), VARLEN=packing is not None, num_warps=4,
     )
@@ -359,7 +367,7 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     cfg = config_for("dkdv", q, v, mask, params)
     col_tiles = ceil_div(len_k, cfg.block_n)
     strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dk, dv, dq_acc)]
-    attention_dkdv_kernel[grid_of(col_tiles, batch * heads_k)](
+    run_kernel(attention_dkdv_kernel, grid_of(col_tiles, batch * heads_k),
         q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"],
         rule_kernel_args["PREFIX"], rule_kernel_args["SEG_Q"], rule_kernel_args["SEG_K"],
         segment_ranges(rules, q, cfg.block_n, cfg.block_m, keys_first=True), *strides,
@@ -378,7 +386,7 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     cfg = config_for("dq", q, v, mask, params)
     row_tiles = ceil_div(len_q, cfg.block_m)
     strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dq)]
-    attention_dq_kernel[grid_of(row_tiles, batch * heads_q)](
+    run_kernel(attention_dq_kernel, grid_of(row_tiles, batch * heads_q),
         q, k, v, dout, lse, delta, dq, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], rule_kernel_args["PREFIX"],
         rule_kernel_args["SEG_Q"], rule_kernel_args["SEG_K"], segment_ranges(rules, q, cfg.block_m, cfg.block_n),
         *strides, mask_strides, rule_kernel_args["alibi_strides"], rule_kernel_args["seg_q_strides"],

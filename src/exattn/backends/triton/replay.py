@@ -1,0 +1,398 @@
+"""Replaying a pass's kernel launches: the host path of a call whose signature was seen before.
+
+The first call of a pass with a new signature (every tensor's shape, strides, dtype, device
+and 16-byte alignment; every other argument's value; the backend's settings) runs normally
+while a `Recorder` notes each kernel launch (the compiled kernel, its grid, its arguments)
+and each buffer the pass allocates. Each tensor argument becomes a `Ref`: an input of the
+pass, a buffer, or a view of one of those; a tensor that is neither is a constant the plan
+keeps. Later calls with that signature allocate the buffers and launch the compiled kernels
+directly (`Plan.run`), skipping exattn's checks and planning and Triton's JIT front end.
+
+The recorder sees every torch call of the pass (a `TorchFunctionMode`). In-place fills, copies,
+adds and scales of inputs and buffers (`IN_PLACE`) are replayed in their place among the
+launches. A pass that does anything else but read metadata, take views and allocate (arithmetic
+that makes a new tensor, reading a value, an in-place op on any other tensor) is not replayed:
+it keeps running normally, every call.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+MAX_PLANS = 256
+ALIGNMENT = 16  # bytes: Triton specializes pointers on it
+
+Tensor = torch.Tensor
+ALLOCATE = {torch.empty, torch.empty_like, torch.empty_strided, Tensor.new_empty}
+ALLOCATE_ZEROED = {torch.zeros, torch.zeros_like, Tensor.new_zeros}
+METADATA = {
+    Tensor.stride, Tensor.size, Tensor.dim, Tensor.numel, Tensor.data_ptr, Tensor.element_size,
+    Tensor.is_contiguous, Tensor.storage_offset, Tensor.__len__, Tensor.__hash__,
+    *(getattr(Tensor, name).__get__ for name in ("shape", "dtype", "device", "is_cuda", "ndim", "requires_grad",
+                                                   "layout", "is_sparse", "is_nested", "grad_fn")),
+}
+VIEWS = {Tensor.view, Tensor.permute, Tensor.transpose, Tensor.unsqueeze, Tensor.squeeze, Tensor.expand,
+         Tensor.__getitem__, Tensor.as_strided, Tensor.select, Tensor.narrow, Tensor.unflatten, Tensor.detach}
+IN_PLACE = {Tensor.copy_, Tensor.zero_, Tensor.fill_, Tensor.add_, Tensor.mul_}  # on inputs and buffers: replayed
+UNLESS_COPYING = {Tensor.to, Tensor.contiguous}  # allowed where they return their tensor itself
+# (VIEWS too are allowed only where the result shares its tensor's storage)
+
+
+class Ref(NamedTuple):
+    """A tensor argument rebuilt per call: slot `index` of (inputs, then buffers), through
+    `view` = (element offset from that tensor's own, shape, strides), or as it is (None)."""
+
+    index: int
+    view: tuple | None = None
+
+
+class DescriptorRef(NamedTuple):
+    """A TMA descriptor argument: `template` (its base dropped) over the tensor `ref`."""
+
+    ref: Ref
+    template: Any
+
+
+class Buffer(NamedTuple):
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    zeroed: bool
+
+
+class Launch(NamedTuple):
+    compiled: Any
+    grid: tuple[int, int, int]
+    args: tuple  # every kernel parameter in order, tensors replaced by None
+    slots: tuple[tuple[int, Ref | DescriptorRef], ...]
+
+
+class InPlace(NamedTuple):
+    """An in-place tensor op of the pass (`IN_PLACE`), replayed in its place among the launches."""
+
+    func: Callable
+    args: tuple  # tensors as Refs
+    kwargs: dict
+
+    def run(self, tensors: list[Tensor]) -> None:
+        self.func(*(resolve(a, tensors) if isinstance(a, Ref) else a for a in self.args), **self.kwargs)
+
+
+class Plan(NamedTuple):
+    buffers: tuple[Buffer, ...]
+    steps: tuple[Launch | InPlace, ...]
+    result: Any  # the pass's result with its tensors as Refs
+    device: torch.device
+    needs_allocator: bool
+
+    def run(self, inputs: list[Tensor]):
+        tensors = inputs + [allocate(b) for b in self.buffers]
+        if self.needs_allocator:
+            ensure_allocator()
+        with on_device(self.device):
+            stream = current_stream(self.device)
+            for step in self.steps:
+                if type(step) is Launch:
+                    replay_launch(step, tensors, stream)
+                else:
+                    step.run(tensors)
+        return rebuild(self.result, tensors)
+
+
+@functools.cache
+def triton_knobs():
+    from triton import knobs
+
+    return knobs
+
+
+def ensure_allocator() -> None:
+    from .passes import ensure_allocator as ensure
+
+    ensure()
+
+
+def allocate(buffer: Buffer) -> Tensor:
+    x = torch.empty_strided(buffer.shape, buffer.stride, dtype=buffer.dtype, device=buffer.device)
+    return x.zero_() if buffer.zeroed else x
+
+
+def on_device(device: torch.device):
+    """Make `device` current for the launches (a CUDA device other than the current one)."""
+    if device.type != "cuda" or torch.cuda.current_device() == device.index:
+        return NO_CONTEXT
+    return torch.cuda.device(device.index)
+
+
+def current_stream(device: torch.device) -> int:
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+
+
+class NoContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+NO_CONTEXT = NoContext()
+
+
+def resolve(ref: Ref | DescriptorRef, tensors: list[Tensor]):
+    if isinstance(ref, DescriptorRef):
+        descriptor = copy.copy(ref.template)
+        descriptor.base = resolve(ref.ref, tensors)
+        return descriptor
+    x = tensors[ref.index]
+    if ref.view is None:
+        return x
+    offset, shape, strides = ref.view
+    return x.as_strided(shape, strides, x.storage_offset() + offset)
+
+
+def rebuild(result, tensors: list[Tensor]):
+    if isinstance(result, Ref):
+        return resolve(result, tensors)
+    return tuple(rebuild(x, tensors) for x in result)
+
+
+def replay_launch(launch: Launch, tensors: list[Tensor], stream: int) -> None:
+    args = list(launch.args)
+    for position, ref in launch.slots:
+        args[position] = tensors[ref.index] if type(ref) is Ref and ref.view is None else resolve(ref, tensors)
+    compiled = launch.compiled
+    runtime = triton_knobs().runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    metadata = compiled.launch_metadata(launch.grid, stream, *args) if enter is not None else None
+    compiled.run(*launch.grid, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args)
+
+
+# ---------------------------------------------------------------- recording
+
+def same_storage(a, b) -> bool:
+    """Whether a view op's result `a` is a view of `b` (indexing by a tensor copies instead)."""
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+class NotReplayable(Exception):
+    """Raised inside recording when a pass's launches cannot be replayed; the pass still ran."""
+
+
+class Recorder(TorchFunctionMode):
+    """Watches one run of a pass: its buffers, its launches, and whether anything else happened."""
+
+    def __init__(self, inputs: list[Tensor]):
+        super().__init__()
+        self.tensors: list[Tensor] = list(inputs)
+        self.buffers: list[Buffer] = []
+        self.steps: list[Launch | InPlace] = []
+        self.refused: str | None = None
+        self.paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if self.paused:
+            return result
+        if func in ALLOCATE or func in ALLOCATE_ZEROED:
+            self.tensors.append(result)
+            self.buffers.append(Buffer(tuple(result.shape), result.stride(), result.dtype, result.device,
+                                       func in ALLOCATE_ZEROED))
+        elif func in IN_PLACE:
+            self.note_in_place(func, args, kwargs or {})
+        elif func in UNLESS_COPYING and result is args[0] or func in METADATA:
+            pass
+        elif func in VIEWS and same_storage(result, args[0]):
+            pass
+        elif self.refused is None:  # a copy, a fill, arithmetic, a value read: nothing a replay repeats
+            self.refused = getattr(func, "__name__", repr(func))
+        return result
+
+    def note_in_place(self, func, args: tuple, kwargs: dict) -> None:
+        try:
+            refs = tuple(self.ref(a) if isinstance(a, Tensor) else a for a in args)
+        except NotReplayable as why:
+            self.refused = self.refused or str(why)
+            return
+        if any(r is None for r in refs) or any(isinstance(v, Tensor) for v in kwargs.values()):
+            self.refused = self.refused or f"{func.__name__} on a tensor the pass neither took nor made"
+            return
+        self.steps.append(InPlace(func, refs, kwargs))
+
+    def ref(self, x: Tensor) -> Ref | None:
+        """x as an input, a buffer or a view of one; None for a tensor the pass neither took nor made
+        (a constant the plan keeps)."""
+        for index, known in enumerate(self.tensors):
+            if x is known:
+                return Ref(index)
+        storage = x.untyped_storage().data_ptr()
+        sharing = [i for i, t in enumerate(self.tensors) if t.untyped_storage().data_ptr() == storage]
+        if not sharing:
+            return None
+        base = self.tensors[sharing[0]]
+        if len(sharing) > 1 or base.dtype != x.dtype:
+            raise NotReplayable("an argument is a view that cannot be traced to one input or buffer")
+        return Ref(sharing[0], (x.storage_offset() - base.storage_offset(), tuple(x.shape), x.stride()))
+
+    def record(self, kernel, grid, compiled, args: tuple, kwargs: dict) -> None:
+        names, defaults = parameters(kernel)
+        full = list(args) + [kwargs.get(name, defaults[i]) for i, name in enumerate(names) if i >= len(args)]
+        slots = []
+        for position, arg in enumerate(full):
+            if isinstance(arg, Tensor):
+                ref = self.ref(arg)
+            elif isinstance(getattr(arg, "base", None), Tensor):  # a TMA descriptor
+                ref = self.descriptor_ref(arg)
+            else:
+                ref = None
+            if ref is not None:
+                slots.append((position, ref))
+                full[position] = None
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.steps.append(Launch(compiled, grid, tuple(full), tuple(slots)))
+
+    def descriptor_ref(self, descriptor) -> DescriptorRef | None:
+        ref = self.ref(descriptor.base)
+        if ref is None:
+            return None
+        template = copy.copy(descriptor)
+        template.base = None
+        return DescriptorRef(ref, template)
+
+    def plan(self, result, device: torch.device) -> Plan:
+        if self.refused is not None:
+            raise NotReplayable(f"the pass ran {self.refused}")
+        launches = [step for step in self.steps if type(step) is Launch]
+        if not launches:
+            raise NotReplayable("the pass launched no kernel")
+        refs = self.result_refs(result)
+        needs_allocator = any(getattr(launch.compiled.metadata, "global_scratch_size", 0) for launch in launches)
+        return Plan(tuple(self.buffers), tuple(self.steps), refs, device, needs_allocator)
+
+    def result_refs(self, result):
+        if isinstance(result, Tensor):
+            ref = self.ref(result)
+            if ref is None:
+                raise NotReplayable("the pass returned a tensor it neither took nor allocated")
+            return ref
+        if isinstance(result, (tuple, list)):
+            return tuple(self.result_refs(x) for x in result)
+        raise NotReplayable(f"the pass returned {type(result).__name__}")
+
+
+@functools.cache
+def parameters(kernel) -> tuple[tuple[str, ...], tuple]:
+    """The kernel's parameter names and defaults (None where it has none)."""
+    names = tuple(kernel.arg_names)
+    defaults = tuple(None if p.default is inspect.Parameter.empty else p.default for p in kernel.params)
+    return names, defaults
+
+
+LOCAL = threading.local()
+
+
+def run_kernel(kernel, grid, *args, **kwargs):
+    """`kernel[grid](*args, **kwargs)`, noted by the recorder of the pass being recorded, if any."""
+    recorder = getattr(LOCAL, "recorder", None)
+    if recorder is None:
+        return kernel[grid](*args, **kwargs)
+    recorder.paused = True  # the launch's and the recording's own torch calls are not the pass's
+    try:
+        compiled = kernel[grid](*args, **kwargs)
+        if compiled is None or not hasattr(compiled, "run"):
+            recorder.refused = recorder.refused or "a launch that returned no compiled kernel"
+        else:
+            recorder.record(kernel, grid, compiled, args, kwargs)
+    except NotReplayable as why:
+        recorder.refused = recorder.refused or str(why)
+    finally:
+        recorder.paused = False
+    return compiled
+
+
+# ---------------------------------------------------------------- the plan cache
+
+PLANS: OrderedDict = OrderedDict()
+REFUSED: OrderedDict = OrderedDict()  # signatures whose pass cannot be replayed, and why
+
+
+def clear() -> None:
+    """Forget every plan (after changing module-level knobs that the signature does not cover)."""
+    PLANS.clear()
+    REFUSED.clear()
+
+
+def tensor_leaves(value, into: list[Tensor]) -> list[Tensor]:
+    """The tensors among an argument (tensors, tuples, lists, named tuples), in order."""
+    if isinstance(value, Tensor):
+        into.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            tensor_leaves(item, into)
+    return into
+
+
+def signature_of(value):
+    """What a plan is keyed on: a tensor's layout and alignment; anything else's value."""
+    if isinstance(value, Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype, value.device, value.data_ptr() % ALIGNMENT == 0)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(signature_of(item) for item in value))
+    return value
+
+
+def replayable(extra_key: Callable[[], Any] | None = None, enabled: Callable[..., bool] | None = None):
+    """Decorate a pass: calls whose signature (plus `extra_key()`, e.g. the backend's settings) was
+    recorded replay its plan; `enabled(*args, **kwargs)` False runs the pass as it is, as does a call
+    made while another pass is being recorded (its launches belong to that recording)."""
+
+    def decorate(run_pass):
+        @functools.wraps(run_pass)
+        def wrapper(*args, **kwargs):
+            if getattr(LOCAL, "recorder", None) is not None or (enabled is not None and not enabled(*args, **kwargs)):
+                return run_pass(*args, **kwargs)
+            named = tuple(sorted(kwargs.items()))
+            key = (run_pass, signature_of(args), signature_of(named), extra_key() if extra_key else None)
+            inputs = tensor_leaves((args, named), [])
+            plan = PLANS.get(key)
+            if plan is not None:
+                PLANS.move_to_end(key)
+                return plan.run(inputs)
+            if key in REFUSED:
+                return run_pass(*args, **kwargs)
+            return record(functools.partial(run_pass, *args, **kwargs), inputs, key)
+
+        return wrapper
+
+    return decorate
+
+
+def record(run_pass, inputs: list[Tensor], key):
+    recorder = Recorder(inputs)
+    LOCAL.recorder = recorder
+    try:
+        with recorder:
+            result = run_pass()
+    finally:
+        LOCAL.recorder = None
+    try:
+        remember(PLANS, key, recorder.plan(result, inputs[0].device))
+    except NotReplayable as why:
+        remember(REFUSED, key, str(why))
+    return result
+
+
+def remember(cache: OrderedDict, key, value) -> None:
+    cache[key] = value
+    if len(cache) > MAX_PLANS:
+        cache.popitem(last=False)

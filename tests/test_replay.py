@@ -1,0 +1,270 @@
+"""Recording and replaying a pass's kernel launches (`exattn.backends.triton.replay`), with a stand-in
+kernel on the CPU: replayed calls must give what the pass gives, on new tensors, and a pass that does
+anything a replay would skip must keep running as it is. (On the GPU, tests/test_replay_gpu.py checks
+the real passes bitwise against runs without replay.)"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from exattn.backends.triton import replay
+
+
+class Compiled:
+    """A compiled kernel's stand-in: `run` adds X[offset:] + Y into OUT, and counts its calls."""
+
+    function = packed_metadata = None
+    metadata = SimpleNamespace(global_scratch_size=0)
+
+    def __init__(self):
+        self.runs = 0
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, gx, gy, gz, stream, function, packed, metadata, enter, leave, *args):
+        self.runs += 1
+        add(*args)
+
+
+def add(X, Y, OUT, n, SCALE=1.0):
+    """The kernel's effect: OUT[:n] = (X[:n] + Y[:n]) * SCALE."""
+    torch.add(X.base if hasattr(X, "base") else X, Y, out=OUT) if n < 0 else OUT[:n].copy_((X[:n] + Y[:n]) * SCALE)
+
+
+class Kernel:
+    """A `@triton.jit` kernel's stand-in: `kernel[grid](...)` runs `add` and returns its compiled kernel."""
+
+    arg_names = ["X", "Y", "OUT", "n", "SCALE"]
+    params = [SimpleNamespace(default=inspect.Parameter.empty)] * 4 + [SimpleNamespace(default=1.0)]
+
+    def __init__(self):
+        self.compiled = Compiled()
+        self.jit_calls = 0
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.jit_calls += 1
+            add(*args, **{k: v for k, v in kwargs.items() if k in self.arg_names})
+            return self.compiled
+
+        return call
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    replay.clear()
+    yield
+    replay.clear()
+
+
+def make_pass(kernel, body=None):
+    @replay.replayable()
+    def add_pass(x, y, scale=1.0):
+        out = torch.empty_like(x)
+        if body is not None:
+            body(out)
+        replay.run_kernel(kernel, (1,), x, y, out, x.numel(), SCALE=scale, num_warps=4)
+        return out
+
+    return add_pass
+
+
+def inputs(n=10):
+    return torch.randn(n), torch.randn(n)
+
+
+def test_second_call_replays_on_new_tensors():
+    kernel = Kernel()
+    add_pass = make_pass(kernel)
+    x, y = inputs()
+    assert torch.equal(add_pass(x, y), x + y)
+    x2, y2 = inputs()
+    out = add_pass(x2, y2)
+    assert torch.equal(out, x2 + y2)
+    assert (kernel.jit_calls, kernel.compiled.runs) == (1, 1)
+    assert len(replay.PLANS) == 1
+
+
+def test_keyword_arguments_and_defaults_reach_the_replay():
+    kernel = Kernel()
+    add_pass = make_pass(kernel)
+    x, y = inputs()
+    add_pass(x, y, scale=2.0)
+    x2, y2 = inputs()
+    assert torch.equal(add_pass(x2, y2, scale=2.0), (x2 + y2) * 2.0)
+    assert torch.equal(add_pass(x2, y2, scale=3.0), (x2 + y2) * 3.0)  # another value: another plan
+    assert len(replay.PLANS) == 2
+
+
+def test_a_new_shape_or_alignment_records_a_new_plan():
+    kernel = Kernel()
+    add_pass = make_pass(kernel)
+    add_pass(*inputs(10))
+    add_pass(*inputs(12))
+    base_x, base_y = torch.randn(11), torch.randn(11)
+    add_pass(base_x[1:], base_y[1:])  # 4-byte offset: not 16-byte aligned
+    assert kernel.jit_calls == 3 and len(replay.PLANS) == 3
+
+
+def test_in_place_ops_on_buffers_are_replayed_in_order():
+    kernel = Kernel()
+
+    @replay.replayable()
+    def filled_then_added(x, y):
+        out = torch.empty(x.numel() + 3)
+        out[x.numel():].fill_(7.0)  # rows the kernel does not write
+        replay.run_kernel(kernel, (1,), x, y, out, x.numel())
+        out[: x.numel()].mul_(2.0)
+        return out
+
+    for _ in range(3):
+        x, y = inputs()
+        assert torch.equal(filled_then_added(x, y), torch.cat([(x + y) * 2.0, torch.full((3,), 7.0)]))
+    assert kernel.jit_calls == 1 and kernel.compiled.runs == 2
+
+
+def test_a_pass_that_makes_new_tensors_is_never_replayed():
+    kernel = Kernel()
+
+    @replay.replayable()
+    def scaled(x, y):
+        out = torch.empty_like(x)
+        replay.run_kernel(kernel, (1,), x, y, out, x.numel())
+        return out * 2.0
+
+    for _ in range(3):
+        x, y = inputs()
+        assert torch.equal(scaled(x, y), (x + y) * 2.0)
+    assert kernel.jit_calls == 3 and kernel.compiled.runs == 0
+    assert "mul" in next(iter(replay.REFUSED.values()))
+
+
+def test_a_pass_that_reads_a_value_is_never_replayed():
+    kernel = Kernel()
+
+    @replay.replayable()
+    def data_dependent(x, y):
+        n = int(x.abs().argmax())  # a length read from the data
+        out = torch.zeros_like(x)
+        replay.run_kernel(kernel, (1,), x, y, out, n)
+        return out
+
+    for _ in range(2):
+        x, y = inputs()
+        n = int(x.abs().argmax())
+        expected = torch.zeros_like(x)
+        expected[:n] = x[:n] + y[:n]
+        assert torch.equal(data_dependent(x, y), expected)
+    assert kernel.compiled.runs == 0 and len(replay.PLANS) == 0
+
+
+def test_views_of_inputs_and_zeroed_buffers_are_rebuilt():
+    kernel = Kernel()
+
+    @replay.replayable()
+    def shifted(x, y):
+        out = torch.zeros(x.numel() + 2)
+        replay.run_kernel(kernel, (1,), x[2:], y[:-2], out[1:], x.numel() - 2)
+        return out
+
+    for _ in range(2):
+        x, y = inputs(12)
+        expected = torch.zeros(14)
+        expected[1:11] = x[2:] + y[:-2]
+        assert torch.equal(shifted(x, y), expected)
+    assert kernel.compiled.runs == 1
+
+
+def test_descriptor_arguments_get_the_new_base():
+    kernel = Kernel()
+
+    class Descriptor:
+        def __init__(self, base, block):
+            self.base, self.block = base, block
+
+    @replay.replayable()
+    def through_descriptor(x, y):
+        out = torch.empty_like(x)
+        replay.run_kernel(kernel, (1,), Descriptor(x, 4), y, out, -1)
+        return out
+
+    for _ in range(2):
+        x, y = inputs()
+        assert torch.equal(through_descriptor(x, y), x + y)
+    assert kernel.compiled.runs == 1
+
+
+def test_plans_do_not_keep_the_recorded_tensors_alive():
+    kernel = Kernel()
+    add_pass = make_pass(kernel)
+    x, y = inputs()
+    out = add_pass(x, y)
+    refs = [weakref.ref(t) for t in (x, y, out)]
+    del x, y, out
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_a_pass_called_inside_a_recording_is_part_of_it():
+    kernel = Kernel()
+    inner = make_pass(kernel)
+
+    @replay.replayable()
+    def outer(x, y):
+        return inner(x, y)
+
+    for _ in range(2):
+        x, y = inputs()
+        assert torch.equal(outer(x, y), x + y)
+    assert kernel.compiled.runs == 1 and len(replay.PLANS) == 1
+
+
+def test_a_view_that_cannot_be_traced_to_one_input_is_never_replayed():
+    kernel = Kernel()
+
+    @replay.replayable()
+    def from_packed(xy):
+        x, y = xy[0], xy[1]  # two views of one input
+        out = torch.empty_like(x)
+        replay.run_kernel(kernel, (1,), x, y, out, x.numel())
+        return out
+
+    for _ in range(2):
+        xy = torch.randn(2, 10)
+        assert torch.equal(from_packed(xy), xy[0] + xy[1])
+    assert kernel.compiled.runs == 1  # xy[0] and xy[1] trace to the one input: replayed
+
+    @replay.replayable()
+    def reinterpreted(x, y):
+        out = torch.empty_like(x)
+        replay.run_kernel(kernel, (1,), x.view(torch.int32), y, out, x.numel())
+        return out
+
+    runs = kernel.compiled.runs
+    for _ in range(2):
+        x, y = inputs()
+        assert torch.equal(reinterpreted(x, y), x.view(torch.int32) + y)
+    assert kernel.compiled.runs == runs and "view" in next(iter(replay.REFUSED.values()))
+
+
+def test_indexing_that_copies_is_never_replayed():
+    kernel = Kernel()
+
+    @replay.replayable()
+    def gathered(x, y, order):
+        out = torch.empty_like(x)
+        replay.run_kernel(kernel, (1,), x[order], y, out, x.numel())
+        return out
+
+    for _ in range(2):
+        x, y = inputs()
+        order = torch.randperm(10)
+        assert torch.equal(gathered(x, y, order), x[order] + y)
+    assert kernel.compiled.runs == 0
