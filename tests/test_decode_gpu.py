@@ -332,27 +332,3 @@ def test_validated_calls_capture_in_a_cuda_graph_and_replays_record():
     graph.replay()
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 5000 is beyond the cache"):
         exattn.check_errors()
-
-
-def test_validation_costs_no_host_time():
-    """Host seconds per call with the GPU kept busy (calls enqueue behind a long matmul): validate=True
-    within 10% (+2 us) of validate=False, where a device sync would cost the whole queue."""
-    import time
-
-    q, k, v, lens = make_case(8, 32, 8, 1, 4096, 128, lengths=[4096] * 8)
-    big = torch.randn(8192, 8192, device="cuda", dtype=BF16)
-
-    def host_seconds(validate):
-        exattn.decode(q, k, v, cache_seqlens=lens, validate=validate)
-        torch.cuda.synchronize()
-        for _ in range(8):
-            big @ big
-        start = time.perf_counter()
-        for _ in range(200):
-            exattn.decode(q, k, v, cache_seqlens=lens, validate=validate)
-        seconds = (time.perf_counter() - start) / 200
-        torch.cuda.synchronize()
-        return seconds
-
-    unchecked, checked = min(host_seconds(False) for _ in range(3)), min(host_seconds(True) for _ in range(3))
-    assert checked <= 1.1 * unchecked + 2e-6, f"validate=True {checked * 1e6:.1f} us, False {unchecked * 1e6:.1f} us"
