@@ -268,3 +268,25 @@ def test_indexing_that_copies_is_never_replayed():
         order = torch.randperm(10)
         assert torch.equal(gathered(x, y, order), x[order] + y)
     assert kernel.compiled.runs == 0
+
+
+def test_launch_hooks_reach_replayed_launches_only_when_set(monkeypatch):
+    from triton import knobs
+
+    seen = []
+
+    class Hooked(Compiled):
+        def run(self, gx, gy, gz, stream, function, packed, metadata, enter, leave, *args):
+            seen.append((enter, leave))
+            super().run(gx, gy, gz, stream, function, packed, metadata, enter, leave, *args)
+
+    kernel = Kernel()
+    kernel.compiled = Hooked()
+    add_pass = make_pass(kernel)
+    add_pass(*inputs())
+    add_pass(*inputs())  # replayed with Triton's default, empty hook chains
+    hook = knobs.HookChain()
+    hook.add(lambda *args: None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    add_pass(*inputs())
+    assert seen[0] == (None, None) and seen[1][0] is hook

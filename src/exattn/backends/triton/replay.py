@@ -108,6 +108,13 @@ class Plan(NamedTuple):
         return rebuild(self.result, tensors)
 
 
+def active(hook):
+    """A launch hook, or None for none or an empty `HookChain` (Triton installs an empty chain: calling
+    it and building its metadata would cost every launch)."""
+    calls = getattr(hook, "calls", None)
+    return None if hook is None or (isinstance(calls, list) and not calls) else hook
+
+
 @functools.cache
 def triton_knobs():
     from triton import knobs
@@ -172,7 +179,7 @@ def replay_launch(launch: Launch, tensors: list[Tensor], stream: int) -> None:
         args[position] = tensors[ref.index] if type(ref) is Ref and ref.view is None else resolve(ref, tensors)
     compiled = launch.compiled
     runtime = triton_knobs().runtime
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    enter, leave = active(runtime.launch_enter_hook), active(runtime.launch_exit_hook)
     metadata = compiled.launch_metadata(launch.grid, stream, *args) if enter is not None else None
     compiled.run(*launch.grid, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args)
 
