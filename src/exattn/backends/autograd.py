@@ -41,3 +41,19 @@ class RecomputingAttention(torch.autograd.Function):
 def row_delta(dout: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """rowsum(dO * O) over the last dim, in `dtype`."""
     return (dout.to(dtype) * out.to(dtype)).sum(-1)
+
+
+def recomputing_attention(problem, passes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of `problem` through a fused backend's passes: `RecomputingAttention` where a gradient
+    is wanted, else the forward pass alone (no autograd node to build: less host time per call)."""
+    q, k, v, mask, params, rules = problem.q, problem.k, problem.v, problem.mask, problem.params, problem.rules
+    if not wants_grad(q, k, v, None if rules is None else rules.sinks):
+        return passes.forward(q, k, v, mask, params) if rules is None else passes.forward(
+            q, k, v, mask, params, rules=rules)
+    if rules is None:
+        return RecomputingAttention.apply(q, k, v, mask, params, passes)
+    return RecomputingAttention.apply(q, k, v, mask, params, passes, rules, rules.sinks)
+
+
+def wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)

@@ -1,4 +1,5 @@
-"""The tiled backend as the dispatcher runs it: eagerly through `RecomputingAttention`, and under
+"""The tiled backend as the dispatcher runs it: eagerly through `autograd.recomputing_attention`
+(`RecomputingAttention` where a gradient is wanted, the forward pass alone otherwise), and under
 `torch.compile` through the custom ops `exattn::tiled_forward` / `exattn::tiled_backward`
 (`custom_ops.py`), so `torch.compile(fullgraph=True)` can trace `attention`.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..problem import AttentionProblem
-from .autograd import RecomputingAttention
+from .autograd import recomputing_attention
 from .custom_ops import compiled_attention
 from .tiled import tiled_backward, tiled_forward
 
@@ -26,8 +27,4 @@ class TiledBackend:
     def run(self, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling():
             return compiled_attention(self.name, problem)  # the same passes, opaque to the compiler
-        args = (problem.q, problem.k, problem.v, problem.mask, problem.params, self)
-        rules = problem.rules
-        if rules is None:
-            return RecomputingAttention.apply(*args)
-        return RecomputingAttention.apply(*args, rules, rules.sinks)
+        return recomputing_attention(problem, self)

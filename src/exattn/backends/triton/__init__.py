@@ -19,7 +19,7 @@ import functools
 import torch
 
 from ...problem import AttentionParams, AttentionProblem
-from ..autograd import RecomputingAttention
+from ..autograd import recomputing_attention
 from .configs import MAX_HEAD_DIM, capability_of, interpreting, tile_problems
 from .replay import replayable
 
@@ -199,11 +199,7 @@ class TritonBackend:
             from ..custom_ops import compiled_attention
 
             return compiled_attention(self.name, problem)  # the same passes, opaque to the compiler
-        args = (problem.q, problem.k, problem.v, problem.mask, problem.params, self)
-        rules = problem.rules
-        if rules is None:
-            return RecomputingAttention.apply(*args)
-        return RecomputingAttention.apply(*args, rules, rules.sinks)
+        return recomputing_attention(problem, self)
 
 
 def __getattr__(name: str):
