@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import traceback
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from error_rule import assert_matches_oracle, max_abs_error
+from rank_checks import run_checks
 
 import exattn
 from exattn.distributed import RingComm, ring, ring_attention, shard, unshard
@@ -211,12 +211,7 @@ def worker(rank: int, world: int, store_path: str) -> None:
         checks.append(("singletons", lambda: check_singleton_groups(rank, world)))
     if world == 4:
         checks.append(("subgroups", lambda: check_subgroups(rank, world)))
-    failures = []
-    for name, check in checks:  # every rank runs every check, so one failure cannot hang the ring
-        try:
-            check()
-        except Exception:  # noqa: BLE001 - reported after the barrier, so no rank hangs
-            failures.append(f"rank {rank}/{world} {name}:\n{traceback.format_exc()}")
+    failures = run_checks(checks, rank, world)
     dist.barrier()
     dist.destroy_process_group()
     if failures:

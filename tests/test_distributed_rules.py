@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import traceback
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from error_rule import assert_matches_oracle, max_abs_error
+from rank_checks import run_checks
 from torch.distributed.device_mesh import init_device_mesh
 
 import exattn
@@ -387,12 +387,7 @@ def worker(rank: int, world: int, store_path: str) -> None:
                for i, s in enumerate(mesh_shapes(world))]
     checks.append(("refusals", lambda: check_refusals(rank, world)))
     checks.append(("bad-rules", lambda: check_bad_rules(rank, world)))
-    failures = []
-    for name, check in checks:  # every rank runs every check, so one failure cannot hang the others
-        try:
-            check()
-        except Exception:  # noqa: BLE001 - reported after the barrier, so no rank hangs
-            failures.append(f"rank {rank}/{world} {name}:\n{traceback.format_exc()}")
+    failures = run_checks(checks, rank, world)
     dist.barrier()
     dist.destroy_process_group()
     if failures:

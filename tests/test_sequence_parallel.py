@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from error_rule import assert_matches_oracle, max_abs_error
+from rank_checks import run_checks
 from torch.distributed.device_mesh import init_device_mesh
 
 import exattn
@@ -308,12 +309,7 @@ def worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     checks.append(("ulysses-ledger", lambda: check_ulysses_ledger(rank, world, results)))
     checks.append(("unequal-shards", lambda: check_unequal_shards(rank, world)))
     checks.append(("bad-groups", lambda: check_bad_groups(rank, world)))
-    failures = []
-    for name, check in checks:  # every rank runs every check, so one failure cannot hang the others
-        try:
-            check()
-        except Exception:  # noqa: BLE001 - reported after the barrier, so no rank hangs
-            failures.append(f"rank {rank}/{world} {name}:\n{traceback.format_exc()}")
+    failures = run_checks(checks, rank, world)
     dist.barrier()
     try:  # last: it leaves its own group broken
         check_rank_fails_mid_ring(rank, world)

@@ -186,6 +186,15 @@ def replay_launch(launch: Launch, tensors: list[Tensor], stream: int) -> None:
 
 # ---------------------------------------------------------------- recording
 
+def leaves_no_trace(func, args: tuple, result) -> bool:
+    """Whether a replay may skip this call: a metadata read, or a view or no-op conversion of a tensor."""
+    if func in METADATA:
+        return True
+    if func in UNLESS_COPYING:
+        return result is args[0]
+    return func in VIEWS and same_storage(result, args[0])
+
+
 def same_storage(a, b) -> bool:
     """Whether a view op's result `a` is a view of `b` (indexing by a tensor copies instead)."""
     return isinstance(a, Tensor) and isinstance(b, Tensor) and (
@@ -217,12 +226,8 @@ class Recorder(TorchFunctionMode):
                                        func in ALLOCATE_ZEROED))
         elif func in IN_PLACE:
             self.note_in_place(func, args, kwargs or {})
-        elif func in UNLESS_COPYING and result is args[0] or func in METADATA:
-            pass
-        elif func in VIEWS and same_storage(result, args[0]):
-            pass
-        elif self.refused is None:  # a copy, a fill, arithmetic, a value read: nothing a replay repeats
-            self.refused = getattr(func, "__name__", repr(func))
+        elif not leaves_no_trace(func, args, result) and self.refused is None:
+            self.refused = getattr(func, "__name__", repr(func))  # a new tensor, a value read: not replayable
         return result
 
     def note_in_place(self, func, args: tuple, kwargs: dict) -> None:
