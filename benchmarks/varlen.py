@@ -5,7 +5,9 @@ packings (equal lengths, lengths log-uniform in [128, 8192], short documents log
 in [64, 1024]; fixed seed) it times, in --rounds interleaved rounds (medians of
 `triton.testing.do_bench`):
 
-- exattn-varlen: `exattn.attention_varlen` on the packed (total, H, d) tensors;
+- exattn-varlen: `exattn.attention_varlen` on the packed (total, H, d) tensors (defaults:
+  `validate=True` reads the offsets on the host, a device sync every call);
+- exattn-varlen-unvalidated: the same with `validate=False` (no sync: the kernels' own speed);
 - exattn-padded: `exattn.attention` on the padded (B, H, max_len, d) batch;
 - sdpa-cudnn-padded: SDPA's cuDNN backend on the padded batch (for equal lengths, cuDNN dense);
 - flex-document: FlexAttention (compiled) over the packed sequence with a document BlockMask.
@@ -40,7 +42,8 @@ from prefill import versions  # noqa: E402
 TOKENS = 16384
 HIDDEN = 2048
 PACKINGS = {"equal": None, "log-uniform 128-8192": (128, 8192), "short 64-1024": (64, 1024)}
-IMPLS = ("exattn-varlen", "exattn-padded", "sdpa-cudnn-padded", "flex-document")
+IMPLS = ("exattn-varlen", "exattn-padded", "sdpa-cudnn-padded", "flex-document", "exattn-varlen-unvalidated")
+ANCHORS = IMPLS[1:4]
 
 
 def parse_args(argv=None):
@@ -113,10 +116,11 @@ def runner(impl, lengths, heads, head_dim, causal):
 
     import exattn
 
-    if impl == "exattn-varlen":
+    if impl.startswith("exattn-varlen"):
         q, k, v, cu = packed_inputs(lengths, heads, head_dim)
-        longest = max(lengths)
-        return (lambda: exattn.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal)), (q, k, v)
+        longest, validate = max(lengths), impl == "exattn-varlen"
+        return (lambda: exattn.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal,
+                                                validate=validate)), (q, k, v)
     if impl == "flex-document":
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in packed_inputs(lengths, heads, head_dim)[:3])
         q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
@@ -181,18 +185,21 @@ def cells(args):
 
 def table(rows) -> str:
     lines = ["| packing | d | causal | docs | exattn fwd | × padded exattn | × cuDNN padded | × Flex | "
-             "exattn bwd | × padded exattn | × cuDNN padded | × Flex |", "|" + "---|" * 12]
+             "exattn bwd | × padded exattn | × cuDNN padded | × Flex | validate=False fwd × padded exattn |",
+             "|" + "---|" * 13]
     by = {(r["packing"], r["head_dim"], r["causal"], r["impl"]): r for r in rows}
     for (packing, d, causal, impl), r in by.items():
         if impl != "exattn-varlen":
             continue
 
-        def ratio(other, key):
+        def ratio(other, key, mine=r):
             o = by.get((packing, d, causal, other))
-            return f"{r[key] / o[key]:.2f}" if o and o.get(key) and r.get(key) else "–"
+            return f"{mine[key] / o[key]:.2f}" if o and o.get(key) and mine and mine.get(key) else "–"
+        unvalidated = by.get((packing, d, causal, "exattn-varlen-unvalidated"))
         lines.append(f"| {packing} | {d} | {'yes' if causal else 'no'} | {r['documents']} | {r['fwd_tflops']:.0f} | "
-                     + " | ".join(ratio(o, "fwd_tflops") for o in IMPLS[1:]) + f" | {r['bwd_tflops']:.0f} | "
-                     + " | ".join(ratio(o, "bwd_tflops") for o in IMPLS[1:]) + " |")
+                     + " | ".join(ratio(o, "fwd_tflops") for o in ANCHORS) + f" | {r['bwd_tflops']:.0f} | "
+                     + " | ".join(ratio(o, "bwd_tflops") for o in ANCHORS) + " | "
+                     + ratio("exattn-padded", "fwd_tflops", unvalidated) + " |")
     return "\n".join(lines)
 
 

@@ -373,9 +373,10 @@ def test_checked_entry_points_pass_everything_to_the_launch(monkeypatch):
     monkeypatch.setattr(gb, "launch", lambda *args: seen.setdefault("backward", args))
     lse = torch.zeros(q.shape[:3])
     sums = tuple(torch.zeros(x.shape) for x in (q, k, v))
-    gf.run_gluon_forward(q, k, v, params)
+    rules, packing = object(), object()
+    gf.run_gluon_forward(q, k, v, params, rules, packing)
     gb.run_gluon_backward(q, q, k, v, q, lse, params, sums, True)
-    assert seen["forward"] == (q, k, v, params)
+    assert seen["forward"] == (q, k, v, params, rules, packing)
     assert seen["backward"][:7] == (q, q, k, v, q, lse, params) and seen["backward"][8] is True
     assert all(a is b for a, b in zip(seen["backward"][7], sums))
     with pytest.raises(ValueError, match="float32"):

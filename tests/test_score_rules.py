@@ -366,29 +366,37 @@ def test_prefix_tiles_are_computed_and_the_rest_skipped(monkeypatch):
 # ---------------------------------------------------------------- packed sequences
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("case", range(3))
-def test_varlen_rules_against_the_per_sequence_oracle(case, dtype):
-    gen = torch.Generator().manual_seed(case)
-    lens_q, lens_k = [[5, 0, 17, 9], [12, 3, 7, 4], [1, 30, 8, 6]][case], [[9, 4, 17, 0], [12, 3, 20, 4],
-                                                                           [7, 30, 8, 6]][case]
-    hq, hk, d, dv, batch = 4, 2, 16, 8, len(lens_q)
-    q = torch.randn(sum(lens_q), hq, d, generator=gen, dtype=torch.float64).to(dtype)
-    k = torch.randn(sum(lens_k), hk, d, generator=gen, dtype=torch.float64).to(dtype)
-    v = torch.randn(sum(lens_k), hk, dv, generator=gen, dtype=torch.float64).to(dtype)
-    dout = torch.randn(sum(lens_q), hq, dv, generator=gen, dtype=torch.float64)
-    float_rules = torch.float64 if dtype == torch.float64 else torch.float32
-    sinks = torch.randn(hq, generator=gen, dtype=float_rules)
-    rules = dict(softcap=[0.0, 3.0, 1.0][case], alibi_slopes=torch.rand(batch, hq, generator=gen, dtype=float_rules),
-                 prefix=[torch.tensor([2, 0, 5, 1], dtype=torch.int32), 3, None][case],
-                 causal=case != 1, window=[None, (4, 2), (5, -1)][case])
-    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+VARLEN_CASES = [  # (lens_q, lens_k, rules)
+    ([5, 0, 17, 9], [9, 4, 17, 0], dict(softcap=0.0, prefix=torch.tensor([2, 0, 5, 1], dtype=torch.int32),
+                                         causal=True, window=None)),
+    ([12, 3, 7, 4], [12, 3, 20, 4], dict(softcap=3.0, prefix=3, causal=False, window=(4, 2))),
+    ([1, 30, 8, 6], [7, 30, 8, 6], dict(softcap=1.0, prefix=None, causal=True, window=(5, -1))),
+]
 
-    def packed(backend):
+
+def check_varlen_rules(lens_q, lens_k, rules, dtype, backend="tiled", device="cpu", d=16, dv=8, seed=0, **tiles):
+    """attention_varlen with every rule (ALiBi slopes and sinks drawn here) through `backend` against
+    naive and the per-sequence float64 oracle: out, lse, dq, dk, dv, d sinks."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hk, batch = 4, 2, len(lens_q)
+
+    def rand(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    q, k, v = rand(sum(lens_q), hq, d), rand(sum(lens_k), hk, d), rand(sum(lens_k), hk, dv)
+    dout = rand(sum(lens_q), hq, dv, dtype=torch.float64)
+    float_rules = torch.float64 if dtype == torch.float64 else torch.float32
+    sinks = rand(hq, dtype=float_rules)
+    rules = dict(rules, alibi_slopes=rand(batch, hq, dtype=float_rules).abs())
+    if isinstance(rules["prefix"], torch.Tensor):
+        rules["prefix"] = rules["prefix"].to(device)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for lens in (lens_q, lens_k))
+
+    def packed(backend, **extra):
         def fn(q, k, v, sinks):
             return exattn.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), sinks=sinks,
-                                           backend=backend, block_m=4, block_n=8, return_lse=True, **rules)
+                                           backend=backend, return_lse=True, **rules, **extra)
         return fn
 
     def oracle(q, k, v, sinks):
@@ -405,10 +413,37 @@ def test_varlen_rules_against_the_per_sequence_oracle(case, dtype):
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, dim=1)
 
-    results = [run(f, q, k, v, s, dout) for f, s in ((packed("tiled"), sinks), (packed("naive"), sinks),
+    results = [run(f, q, k, v, s, dout) for f, s in ((packed(backend, **tiles), sinks), (packed("naive"), sinks),
                                                       (oracle, sinks.double()))]
     for name, mine, base, ref in zip(NAMES, *results):
-        assert_matches_oracle(f"varlen/{name}", mine, base, ref, dtype)
+        floor_dtype = torch.float32 if name in ("lse", "dsinks") and dtype in (torch.float16, torch.bfloat16) else dtype
+        assert_matches_oracle(f"varlen/{name}", mine, base, ref, floor_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", range(3))
+def test_varlen_rules_against_the_per_sequence_oracle(case, dtype):
+    check_varlen_rules(*VARLEN_CASES[case], dtype, seed=case, block_m=4, block_n=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", range(3))
+def test_gpu_gluon_forward_serves_packed_rules(case, d, dtype, monkeypatch):
+    """Packed sequences (empty ones, lengths off the tiles) with the rules, through the Gluon forward."""
+    from exattn.backends.triton import gluon_forward as gf
+    from exattn.backends.triton import settings
+
+    monkeypatch.setattr(settings, "replay", False)  # a replayed call would not reach run_gluon_forward
+    calls = []
+    real = gf.run_gluon_forward
+    monkeypatch.setattr(gf, "run_gluon_forward", lambda *args: calls.append(1) or real(*args))
+    lens_q, lens_k, rules = VARLEN_CASES[case]
+    scale = 37
+    check_varlen_rules([n * scale for n in lens_q], [n * scale for n in lens_k], rules, dtype, "triton", "cuda",
+                       d=d, dv=d, seed=case)
+    assert calls == [1]
 
 
 # ---------------------------------------------------------------- backends that say why not

@@ -136,3 +136,41 @@ def test_gpu_rules(dtype, head_dim, rule, causal):
               "alibi_slopes": rules["alibi_slopes"] if rule in ("alibi", "all") else None,
               "prefix": 100 if rule in ("prefix", "all") else None}
     check(q, k, v, sinks=rules["sinks"] if rule in ("sinks", "all") else None, causal=causal, **kwargs)
+
+
+GLUON_RULES = {  # name: keywords of exattn.attention (segment ids from `document_ids`: "documents")
+    "segments": dict(causal=True, documents=5),
+    "unsorted segments": dict(documents=4, shuffled=True),
+    "window": dict(window=(100, 0)),
+    "window right": dict(window=(64, 32)),
+    "left only": dict(window=(100, -1)),
+    "prefix": dict(causal=True, prefix=100),
+    "prefix window": dict(window=(64, 0), prefix=70),
+    "softcap alibi sinks": dict(causal=True, softcap=30.0, alibi=True, sinks=True),
+    "all": dict(window=(200, 0), prefix=50, documents=3, softcap=20.0, alibi=True, sinks=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("rule", GLUON_RULES)
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000), (1, 4, 2, 333, 517), (2, 4, 4, 517, 200), (1, 2, 1, 1, 300)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_gluon_forward_serves_the_rules(head_dim, rule, shape, monkeypatch):
+    """The Gluon forward applies every rule (the backward runs the Triton kernels): it is the one called."""
+    from exattn.backends.triton import gluon_forward as gf
+    from exattn.backends.triton import settings
+
+    monkeypatch.setattr(settings, "replay", False)  # a replayed call would not reach run_gluon_forward
+    calls = []
+    real = gf.run_gluon_forward
+    monkeypatch.setattr(gf, "run_gluon_forward", lambda *args: calls.append(1) or real(*args))
+    kwargs = dict(GLUON_RULES[rule])
+    dtype = torch.float16 if shape[3] == 333 else torch.bfloat16
+    q, k, v, rules = inputs(*shape, head_dim, dtype, "cuda", logit_scale=2.0, seed=shape[3])
+    documents, shuffled = kwargs.pop("documents", None), kwargs.pop("shuffled", False)
+    if documents is not None:
+        kwargs["segment_ids"] = tuple(x.cuda() for x in document_ids(q, k, documents, shuffled))
+    kwargs["alibi_slopes"] = rules["alibi_slopes"] if kwargs.pop("alibi", False) else None
+    check(q, k, v, sinks=rules["sinks"] if kwargs.pop("sinks", False) else None, **kwargs)
+    assert calls == [1]

@@ -33,4 +33,6 @@ def test_table_reports_ratios_and_failures():
     rows = [row("exattn-varlen", 400.0, 300.0), row("exattn-padded", 400.0, 150.0),
             row("sdpa-cudnn-padded", 200.0, 300.0), row("flex-document", None, None)]
     line = varlen.table(rows).splitlines()[-1]
-    assert line == "| equal | 64 | no | 8 | 400 | 1.00 | 2.00 | – | 300 | 2.00 | 1.00 | – |"
+    assert line == "| equal | 64 | no | 8 | 400 | 1.00 | 2.00 | – | 300 | 2.00 | 1.00 | – | – |"
+    line = varlen.table(rows + [row("exattn-varlen-unvalidated", 500.0, 300.0)]).splitlines()[-1]
+    assert line.endswith("| 1.25 |")

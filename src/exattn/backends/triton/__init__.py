@@ -95,9 +95,18 @@ def reasons_for(device, dtype, head_dim, value_dim, block_m, block_n, mask_devic
     return tuple(reasons)
 
 
-def gluon_serves_rules(params: AttentionParams, rules) -> bool:
-    """The Gluon kernels apply no score rule: softcap, ALiBi and sinks run the Triton kernels."""
+def gluon_backward_serves_rules(params: AttentionParams, rules) -> bool:
+    """The Gluon backward applies no score rule (the Gluon forward applies them all)."""
     return rules is None and not params.softcap
+
+
+def gluon_forward_usable(q: torch.Tensor, head_dim: int, len_q: int) -> bool:
+    """Whether the Gluon forward is switched on, written for this Triton, and measured faster here
+    (its own `gluon_supports` says whether it serves the inputs)."""
+    from .passes import settings
+
+    return (settings.use_gluon and q.is_cuda and gluon_length_ok(GLUON_FORWARD_MIN_LEN, head_dim, len_q)
+            and gluon_written_for_this_triton())
 
 
 def gluon_written_for_this_triton() -> bool:
@@ -139,18 +148,16 @@ def triton_forward(q, k, v, mask, params: AttentionParams, rules=None):
     """Raw forward pass: out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32 natural log.
 
     On Hopper at the head dims and lengths of GLUON_FORWARD_MIN_LEN the Gluon kernel
-    (`gluon_forward.py`) serves what it can; everything else, and every score rule
-    (softcap, ALiBi, sinks: `rules`), runs the Triton forward kernel.
+    (`gluon_forward.py`, score rules included) serves what it can; everything else runs the Triton
+    forward kernel.
     """
-    from .passes import settings
     from .passes import triton_forward as run
 
-    if (settings.use_gluon and q.is_cuda and gluon_length_ok(GLUON_FORWARD_MIN_LEN, q.shape[-1], q.shape[2])
-            and gluon_written_for_this_triton() and gluon_serves_rules(params, rules)):
+    if gluon_forward_usable(q, q.shape[-1], q.shape[2]):
         from .gluon_forward import gluon_supports, run_gluon_forward
 
-        if not gluon_supports(q, k, v, mask, params):
-            return run_gluon_forward(q, k, v, params)
+        if not gluon_supports(q, k, v, mask, params, rules):
+            return run_gluon_forward(q, k, v, params, rules)
     return run(q, k, v, mask, params, rules=rules)
 
 
@@ -166,7 +173,7 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     from .passes import triton_backward as run
 
     if (settings.use_gluon and q.is_cuda and gluon_length_ok(GLUON_BACKWARD_MIN_LEN, q.shape[-1], q.shape[2])
-            and gluon_written_for_this_triton() and gluon_serves_rules(params, rules)):
+            and gluon_written_for_this_triton() and gluon_backward_serves_rules(params, rules)):
         from . import gluon_backward as gb
 
         atomic = settings.atomic_dq and q.shape[-1] in gb.ATOMIC_CONFIGS

@@ -729,9 +729,11 @@ MAX_STATS = 2**31 - 1
 def gluon_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, params: AttentionParams,
                             dout: torch.Tensor | None = None, atomic_dq: bool = False) -> list[str]:
     """Every reason `gluon_backward` cannot serve these inputs (empty if it can): those of the
-    Gluon forward (`gluon_supports`), dout's strides, batch / head dims broadcast with stride 0,
+    Gluon forward (`gluon_supports`), a window other than full or causal, dout's strides, batch / head dims broadcast with stride 0,
     lse rows beyond 32-bit TMA coordinates, and (atomic_dq) a head dim without that variant."""
     reasons = gluon_supports(q, k, v, mask, params)
+    if params.window not in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
+        reasons.append(f"window={params.window} is not supported (full attention or causal only)")
     if atomic_dq and q.shape[-1] not in ATOMIC_CONFIGS:
         reasons.append(f"atomic_dq: D={q.shape[-1]}, the variant exists for D in {tuple(ATOMIC_CONFIGS)}")
     if dout is not None and (dout.shape != q.shape or not tma_compatible(dout)):

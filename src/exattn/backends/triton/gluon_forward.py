@@ -4,9 +4,13 @@
     gluon_supports(q, k, v, mask, params) -> list of reasons it cannot serve (empty: it can)
 
 Same contract as `passes.triton_forward` for the subset it serves: CUDA sm_90,
-fp16/bf16, D = Dv in {64, 128}, no mask, no dropout, full attention or
-bottom-right causal, GQA, any lengths; out in q's dtype, lse (B, Hq, Nq) float32
-natural log; a row that sees no key gives 0 and lse = -inf.
+fp16/bf16, D = Dv in {64, 128}, no mask, no dropout, any window (bottom-right),
+GQA, any lengths, and every score rule (segment ids, prefix, softcap, ALiBi,
+sinks) and packed variable-length batches (`Packing`: token-major (total, H, D)
+tensors seen as (1, H, total, D), sequence b's rows from the offsets on the
+device); out in q's dtype, lse (B, Hq, Nq) (packed: (Hq, total_q)) float32
+natural log; a row that sees no key gives 0 and lse = -inf (with sinks: 0 and
+the sink's logit).
 
 One program owns 64 * CONSUMERS query rows of one (batch, query head), split
 between warp roles (`gl.warp_specialize`):
@@ -21,9 +25,14 @@ between warp roles (`gl.warp_specialize`):
   to the second wgmma from registers.
 
 Row maxima are kept in raw score units, p = exp2(s * c - m * c) with
-c = scale * log2(e) (one FMA per score; this needs scale > 0). Key tiles
-above the causal diagonal are never loaded; only the diagonal / ragged tail
-tiles apply an element mask; causal programs start with the longest rows.
+c = scale * log2(e) (one FMA per score; this needs scale > 0); the rules are
+applied in those units too (softcap / scale, slope / scale, sink / scale; the
+softcap's tanh is the SFU's `tanh.approx.f32`). Key tiles outside the window,
+the prefix and the segment ids' tile ranges (`segment_tables`) are never
+loaded; only tiles that some row may not see whole (band edges, ragged tails,
+document boundaries) apply an element mask; causal programs start with the
+longest rows. The rules and packing are bits of one constexpr, RULES, so the
+plain kernel compiles exactly as before.
 """
 
 from __future__ import annotations
@@ -44,16 +53,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...problem import UNBOUNDED, AttentionParams
+from ...problem import UNBOUNDED, AttentionParams, ScoreRules
 from . import schedule
 from .configs import ceil_div, gluon_device_reasons, multiprocessor_count, tma_compatible
 from .passes import on_device, scalar_args
+from .segment_tables import segment_tile_ranges, tile_id_ranges
 from .replay import run_kernel
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-WINDOWS = ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0))
 REGISTER_FILE = 65536  # 32-bit registers of one SM
 PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
 
@@ -96,6 +105,16 @@ class GluonConfig(NamedTuple):
 # issue rate (Nsight Compute); the kernel is 4952 SASS instructions, not 6792.
 CONFIGS = {64: GluonConfig(128, 2, consumers=3, one_key_loop=True), 128: GluonConfig(128, 2, persistent=True)}
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+KEY_TILE: gl.constexpr = gl.constexpr(128)  # keys per tile, every configuration's block_n
+# Bits of the kernel's RULES: score rules and packing (`rule_bits`). A right bound of the window is CAUSAL.
+LEFT: gl.constexpr = gl.constexpr(1)  # the window's left bound
+SOFTCAP: gl.constexpr = gl.constexpr(2)
+ALIBI: gl.constexpr = gl.constexpr(4)
+SINKS: gl.constexpr = gl.constexpr(8)
+PREFIX: gl.constexpr = gl.constexpr(16)
+SEGMENTS: gl.constexpr = gl.constexpr(32)
+VARLEN: gl.constexpr = gl.constexpr(64)
 # Which key tiles a step masks (`softmax_tile`): none, every one, those from the first not-full one on.
 UNMASKED: gl.constexpr = gl.constexpr(0)
 MASKED: gl.constexpr = gl.constexpr(1)
@@ -143,30 +162,33 @@ def program_id_again():
 
 
 @gluon.jit
-def load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, ring0, num_tiles):
-    """K_j and V_j of (b, hk), j < num_tiles, into ring slot (ring0 + j) % STAGES once every consumer freed it."""
+def load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, ring0, num_tiles,
+                 first_tile=0, start=0):
+    """K and V tiles first_tile + j of (b, hk), j < num_tiles, into ring slot (ring0 + j) % STAGES once every
+    consumer freed it (rows counted from `start`: a packed sequence's first)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     for j in range(num_tiles):
         slot = (ring0 + j) % STAGES
         phase = ((ring0 + j) // STAGES) & 1
+        row = start + (first_tile + j) * BLOCK_N
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot),
+        tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_ready.index(slot),
                                         as_box(k_smem.index(slot), k_desc))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot),
+        tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_ready.index(slot),
                                         as_box(v_smem.index(slot), v_desc))
 
 
 @gluon.jit
-def load_q(q_desc, q_smem, first_slot, ready, b, h, m0, BLOCKS: gl.constexpr):
+def load_q(q_desc, q_smem, first_slot, ready, b, h, m0, BLOCKS: gl.constexpr, start=0):
     """BLOCKS row blocks of 64 from m0 of (b, h) into slots first_slot, ..., onto one barrier (a block
-    before row 0, `tile_of`'s padding, loads row 0's)."""
+    before row 0, `tile_of`'s padding, loads row 0's; rows counted from `start`)."""
     mbarrier.expect(ready, BLOCKS * q_desc.block_type.nbytes)
     for half in gl.static_range(BLOCKS):
-        tma.async_copy_global_to_shared(q_desc, [b, h, gl.maximum(m0 + half * ROWS, 0), 0], ready,
+        tma.async_copy_global_to_shared(q_desc, [b, h, start + gl.maximum(m0 + half * ROWS, 0), 0], ready,
                                         as_box(q_smem.index(first_slot + half), q_desc))
 
 
@@ -194,51 +216,154 @@ def longest_first(t, tiles_per_head, heads_per_group, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def tile_of(t, num_row_tiles, heads_q, group, heads_per_group, len_q, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(b, h, hk, first row) of work tile t in `longest_first` order. Causal: the last rows see most
-    keys, and the tiles are shifted back by whole 64-row blocks towards row len_q, so the padding of
-    a ragged tile sits in the first tile, where it costs least (its blocks before row 0 load row 0's
-    block, are masked, and store nothing)."""
+def work_tile(t, num_row_tiles, heads_q, group, heads_per_group, CAUSAL: gl.constexpr):
+    """(b, h, hk, row tile rank) of work tile t in `longest_first` order."""
     bh, tile_m = longest_first(t, num_row_tiles, heads_per_group, CAUSAL)
-    first = tile_m * BLOCK_M
-    if CAUSAL:
-        first = (num_row_tiles - 1 - tile_m) * BLOCK_M - (num_row_tiles * BLOCK_M - len_q) // ROWS * ROWS
     h = bh % heads_q
-    return bh // heads_q, h, h // group, first
+    return bh // heads_q, h, h // group, tile_m
 
 
 @gluon.jit
-def forward_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads, group,
-                           num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                           PERSISTENT: gl.constexpr):
+def first_row(tile_m, num_row_tiles, len_q, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """The first row of the rank-tile_m row tile. Causal: the last rows see most keys, and the tiles are
+    shifted back by whole 64-row blocks towards row len_q, so the padding of a ragged tile sits in the
+    first tile, where it costs least (its blocks before row 0 load row 0's block, are masked, and store
+    nothing); a packed sequence shorter than the longest has whole tiles before row 0, which see no key."""
+    first = tile_m * BLOCK_M
+    if CAUSAL:
+        first = (num_row_tiles - 1 - tile_m) * BLOCK_M - (num_row_tiles * BLOCK_M - len_q) // ROWS * ROWS
+    return first
+
+
+@gluon.jit
+def tile_of(t, num_row_tiles, heads_q, group, heads_per_group, len_q, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(b, h, hk, first row) of work tile t (`work_tile`, `first_row`)."""
+    b, h, hk, tile_m = work_tile(t, num_row_tiles, heads_q, group, heads_per_group, CAUSAL)
+    return b, h, hk, first_row(tile_m, num_row_tiles, len_q, BLOCK_M, CAUSAL)
+
+
+@gluon.jit
+def work_context(rules, b, h, len_q, len_k, scale_log2, RULES: gl.constexpr):
+    """What the rules and the packing fix for (b, h), in raw score units (scores before the scale):
+    (len_q, len_k, q_start, k_start, descriptor batch, left, right, softcap, 1 / softcap, ALiBi slope,
+    prefix, segment ids of b's keys, their row stride, b's key tiles' id ranges, b's row blocks' key-tile
+    ranges). `rules` is the kernel's (`gluon_forward_kernel`)."""
+    (left, right, cap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K, seg_k_sb,
+     seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K) = rules
+    q_start = 0
+    k_start = 0
+    coord_b = b
+    key_tiles_of_b = gl.cdiv(len_k, KEY_TILE)
+    row_blocks_of_b = gl.cdiv(len_q, ROWS)
+    if RULES & VARLEN:
+        q_start = gl.load(CU_Q + b)
+        len_q = gl.load(CU_Q + b + 1) - q_start
+        k_start = gl.load(CU_K + b)
+        len_k = gl.load(CU_K + b + 1) - k_start
+        coord_b = 0
+    slope = 0.0
+    if RULES & ALIBI:
+        slope = gl.load(ALIBI_PTR + b * alibi_sb + h * alibi_sh).to(gl.float32) * (LOG2E / scale_log2)
+    prefix = 0
+    if RULES & PREFIX:
+        prefix = gl.minimum(gl.load(PREFIX_PTR + b), len_k)
+    return (len_q, len_k, q_start, k_start, coord_b, left, right, cap, 1.0 / cap, slope, prefix,
+            SEG_K + b * seg_k_sb, seg_k_sn, KEY_IDS + b * key_tiles_of_b * 2, SEG_BLOCKS + b * row_blocks_of_b * 2)
+
+
+@gluon.jit
+def segment_key_range(ctx, first, last):
+    """[lo, hi) of the key tiles whose segment ids can meet those of rows first..last (their 64-row
+    blocks' ranges, `segment_block_ranges`)."""
+    SEG_BLOCKS = ctx[14]
+    lo = gl.load(SEG_BLOCKS + first // ROWS * 2)
+    hi = gl.load(SEG_BLOCKS + first // ROWS * 2 + 1)
+    for block in range(first // ROWS + 1, last // ROWS + 1):
+        lo = gl.minimum(lo, gl.load(SEG_BLOCKS + block * 2))
+        hi = gl.maximum(hi, gl.load(SEG_BLOCKS + block * 2 + 1))
+    return lo, hi
+
+
+@gluon.jit
+def key_range(m0, ctx, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, RULES: gl.constexpr,
+              BLOCK_M: gl.constexpr = 128):
+    """(lo, hi, full_lo, full_hi): rows [m0, m0 + BLOCK_M) of the sequence see key tiles [lo, hi), and
+    every row sees every key of tiles [full_lo, full_hi) (band, prefix and segment ids aside: `needs_mask`).
+    Rows that do not exist see none: those past len_q, and those before row 0 (`first_row`'s padding).
+    The kernel form of `tiles.tile_segments` with `with_prefix_keys` and `with_segment_tiles`; CAUSAL: the
+    window has a right bound (0 for causal), LEFT in RULES: a left one."""
+    len_q, len_k = ctx[0], ctx[1]
+    left, right = ctx[5], ctx[6]
+    first = gl.maximum(m0, 0)
+    last = gl.minimum(m0 + BLOCK_M, len_q) - 1
+    offset = len_k - len_q
+    lo_key = 0
+    hi_key = len_k
+    full_lo = 0
+    full_hi = len_k // BLOCK_N
+    if RULES & LEFT:
+        lo_key = gl.maximum(first + offset - left, 0)
+        full_lo = gl.cdiv(gl.maximum(last + offset - left, 0), BLOCK_N)
+    if CAUSAL:
+        hi_key = gl.minimum(last + offset + right + 1, len_k)
+        full_hi = gl.minimum(full_hi, gl.maximum(m0 + offset + right + 1, 0) // BLOCK_N)
+    hi_key = gl.maximum(hi_key, 0)
+    lo = gl.minimum(lo_key, hi_key) // BLOCK_N
+    hi = gl.cdiv(hi_key, BLOCK_N)
+    if RULES & PREFIX:
+        prefix = ctx[10]
+        lo = gl.where(prefix > 0, 0, lo)
+        hi = gl.maximum(hi, gl.cdiv(prefix, BLOCK_N))
+    if RULES & SEGMENTS:
+        seg_lo, seg_hi = segment_key_range(ctx, gl.minimum(first, len_q - 1), gl.minimum(gl.maximum(last, first),
+                                                                                           len_q - 1))
+        lo = gl.maximum(lo, seg_lo)
+        hi = gl.minimum(hi, seg_hi)
+    hi = gl.where(first <= last, hi, 0)
+    lo = gl.minimum(lo, hi)
+    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
+    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
+    return lo, hi, full_lo, full_hi
+
+
+@gluon.jit
+def forward_load_partition(loads, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+                           RULES: gl.constexpr):
     """Producer warp: for each work tile of this program (PERSISTENT), or for tile program_id, its Q
     into a Q buffer (once the consumers stored the out it held), then its K/V through the ring."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads, group, num_row_tiles,
+     heads_per_group, len_q, len_k, scale_log2, rules) = loads
     if PERSISTENT:
         ring0 = 0
         for t in range(gl.program_id(0), num_row_tiles * batch_heads, gl.num_programs(0)):
             i = (t - gl.program_id(0)) // gl.num_programs(0)
             ring0 += load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0, heads_q,
-                               batch_heads, group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL,
-                               PERSISTENT)
+                               group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, rules, CONSUMERS,
+                               CAUSAL, RULES)
     else:
-        load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, gl.program_id(0), 0, 0, heads_q, batch_heads,
-                  group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL, PERSISTENT)
+        load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, gl.program_id(0), 0, 0, heads_q, group,
+                  num_row_tiles, heads_per_group, len_q, len_k, scale_log2, rules, CONSUMERS, CAUSAL, RULES)
 
 
 @gluon.jit
-def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0, heads_q, batch_heads, group,
-              num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0, heads_q, group, num_row_tiles,
+              heads_per_group, len_q, len_k, scale_log2, rules, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              RULES: gl.constexpr):
     """Work tile t, the i-th of this program: Q into buffer i % Q_BUFFERS, K/V from ring position ring0.
     Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
-    b, h, hk, m0 = tile_of(t, num_row_tiles, heads_q, group, heads_per_group, len_q, CONSUMERS * ROWS, CAUSAL)
-    num_tiles, _ = key_tiles(m0, len_q, len_k, k_smem.shape[1], CAUSAL, CONSUMERS * ROWS)
+    BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+    b, h, hk, tile_m = work_tile(t, num_row_tiles, heads_q, group, heads_per_group, CAUSAL)
+    ctx = work_context(rules, b, h, len_q, len_k, scale_log2, RULES)
+    m0 = first_row(tile_m, num_row_tiles, ctx[0], BLOCK_M, CAUSAL)
+    lo, hi, _, _ = key_range(m0, ctx, k_smem.shape[1], CAUSAL, RULES, BLOCK_M)
     mbarrier.wait(q_empty.index(i % Q_BUFFERS), ((i // Q_BUFFERS) & 1) ^ 1)
-    load_q(q_desc, q_smem, (i % Q_BUFFERS) * CONSUMERS, q_ready.index(i % Q_BUFFERS), b, h, m0, CONSUMERS)
-    load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, ring0, num_tiles)
-    return num_tiles
+    load_q(q_desc, q_smem, (i % Q_BUFFERS) * CONSUMERS, q_ready.index(i % Q_BUFFERS), ctx[4], h, m0, CONSUMERS,
+           ctx[2])
+    load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, ctx[4], hk, ring0, hi - lo,
+                 lo, ctx[3])
+    return hi - lo
 
 
 @gluon.jit
@@ -275,6 +400,11 @@ def larger(a, b):
 
 
 @gluon.jit
+def smaller(a, b):
+    return gl.minimum(a, b)
+
+
+@gluon.jit
 def plus(a, b):
     return a + b
 
@@ -295,28 +425,86 @@ def paired_cast(x, dtype: gl.constexpr):
 
 
 @gluon.jit
-def masked_scores(s, rows, j, len_q, len_k, CAUSAL: gl.constexpr):
-    """Scores s of key tile j, -inf where rows may not see the key (causal: bottom-right; else past len_k)."""
+def fast_tanh(x):
+    """tanh on the SFU (one MUFU.TANH; absolute error below 2^-10.7): the softcap's."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def key_positions(s, tile):
+    """Key positions of the columns of score tile s of key tile `tile`."""
     BLOCK_N: gl.constexpr = s.shape[1]
-    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-    if CAUSAL:
-        last_col = gl.minimum(rows + (len_k - len_q), len_k - 1)
-        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1), s, float("-inf"))
-    else:
-        s = gl.where(gl.expand_dims(cols < len_k, 0), s, float("-inf"))
+    return tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+
+
+@gluon.jit
+def modified_scores(s, rows, tile, ctx, RULES: gl.constexpr):
+    """Raw scores after the softcap, then ALiBi (the SPEC's order), in raw units: softcap / scale and
+    slope / scale (`work_context`)."""
+    if RULES & SOFTCAP:
+        s = ctx[7] * fast_tanh(s * ctx[8])
+    if RULES & ALIBI:
+        distance = gl.expand_dims(rows + (ctx[1] - ctx[0]), 1) - gl.expand_dims(key_positions(s, tile), 0)
+        s = s - ctx[9] * gl.abs(distance).to(gl.float32)
     return s
 
 
 @gluon.jit
-def softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2, dtype: gl.constexpr,
-                 p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, full_tiles=0):
-    """Fold raw scores s of key tile j into (m_i, l_i); returns P (dot operand), new m, l, alpha.
-    MASK: UNMASKED, MASKED, or MASKED_FROM_FULL (masked if j >= full_tiles)."""
+def masked_scores(s, rows, tile, ctx, row_ids, CAUSAL: gl.constexpr, RULES: gl.constexpr):
+    """Scores s of key tile `tile`, -inf where rows may not see the key: past len_k, outside the window
+    (bottom-right; CAUSAL: a right bound), unless below the prefix; then unless the segment ids match."""
+    len_q, len_k = ctx[0], ctx[1]
+    keys = key_positions(s, tile)
+    cols = gl.expand_dims(keys, 0)
+    if RULES == 0:
+        if CAUSAL:
+            last_col = gl.minimum(rows + (len_k - len_q), len_k - 1)
+            s = gl.where(cols <= gl.expand_dims(last_col, 1), s, float("-inf"))
+        else:
+            s = gl.where(cols < len_k, s, float("-inf"))
+    else:
+        diagonal = gl.expand_dims(rows + (len_k - len_q), 1)
+        allowed = cols < len_k
+        if CAUSAL:
+            allowed = allowed & (cols <= diagonal + ctx[6])
+        if RULES & LEFT:
+            allowed = allowed & (cols >= diagonal - ctx[5])
+        if RULES & PREFIX:
+            allowed = allowed | (cols < ctx[10])
+        if RULES & SEGMENTS:
+            key_ids = gl.load(ctx[11] + keys * ctx[12], mask=keys < len_k, other=0)
+            allowed = allowed & (gl.expand_dims(row_ids, 1) == gl.expand_dims(key_ids, 0))
+        s = gl.where(allowed, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def needs_mask(tile, full_lo, full_hi, ctx, row_id_range, RULES: gl.constexpr):
+    """Whether some row of the warpgroup may not see some key of tile `tile`: outside the band's full
+    tiles and the prefix's, or (SEGMENTS) the rows' ids (row_id_range: least, greatest) and the tile's
+    are not all one id."""
+    masked = (tile < full_lo) | (tile >= full_hi)
+    if RULES & PREFIX:
+        masked = masked & (tile >= ctx[10] // KEY_TILE)
+    if RULES & SEGMENTS:
+        ids = ctx[13] + tile * 2
+        low, high = row_id_range
+        masked = masked | (low != high) | (gl.load(ids) != low) | (gl.load(ids + 1) != low)
+    return masked
+
+
+@gluon.jit
+def softmax_tile(s, m_i, l_i, rows, tile, ctx, row_ids, bounds, scale_log2, dtype: gl.constexpr,
+                 p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, RULES: gl.constexpr):
+    """Fold raw scores s of key tile `tile` into (m_i, l_i); returns P (dot operand), new m, l, alpha.
+    MASK: UNMASKED, MASKED, or MASKED_FROM_FULL (masked where `needs_mask` says, bounds =
+    (full_lo, full_hi, the rows' segment id range))."""
+    s = modified_scores(s, rows, tile, ctx, RULES)
     if MASK == MASKED:
-        s = masked_scores(s, rows, j, len_q, len_k, CAUSAL)
+        s = masked_scores(s, rows, tile, ctx, row_ids, CAUSAL, RULES)
     if MASK == MASKED_FROM_FULL:
-        if j >= full_tiles:
-            s = masked_scores(s, rows, j, len_q, len_k, CAUSAL)
+        if needs_mask(tile, bounds[0], bounds[1], ctx, bounds[2], RULES):
+            s = masked_scores(s, rows, tile, ctx, row_ids, CAUSAL, RULES)
     m_new = gl.maximum(m_i, gl.reduce(s, 1, larger))
     if MASK != UNMASKED:
         m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -329,13 +517,13 @@ def softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2, dtype: gl.const
 
 
 @gluon.jit
-def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, m_i, l_i, rows, j, r,
-                   len_q, len_k, scale_log2, p_layout: gl.constexpr, MASK: gl.constexpr,
-                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, full_tiles=0):
-    """Key tile j (ring position r): S_j = Q K_j^T and O += P_j-1 V_j-1 in flight together, softmax of
-    S_j under the second.
+def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, m_i, l_i, rows, tile, r, ctx,
+                   row_ids, bounds, scale_log2, p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                   PINGPONG: gl.constexpr, RULES: gl.constexpr):
+    """Key tile `tile` (ring position r): S = Q K^T and O += P_prev V_prev in flight together, softmax of
+    S under the second.
 
-    s_regs (the consumed S_j-1) is reused as the first wgmma's result registers.
+    s_regs (the consumed previous S) is reused as the first wgmma's result registers.
     """
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -347,8 +535,8 @@ def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, 
     pass_turn(sched, half, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
     release(k_empty, r, STAGES)
-    p_new, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, j, len_q, len_k, scale_log2,
-                                          v_smem.dtype, p_layout, MASK, CAUSAL, full_tiles)
+    p_new, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, tile, ctx, row_ids, bounds, scale_log2, v_smem.dtype,
+                                          p_layout, MASK, CAUSAL, RULES)
     acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
     release(v_empty, r - 1, STAGES)
     alpha = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
@@ -357,12 +545,39 @@ def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, 
 
 
 @gluon.jit
-def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, m0, heads_q, ring0, len_q, len_k,
-                scale_log2, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                ONE_KEY_LOOP: gl.constexpr):
+def row_segments(rows, ctx, rules, b, RULES: gl.constexpr):
+    """The segment ids of `rows` (SEGMENTS), and their (least, greatest) over the rows that exist."""
+    ids = rows
+    id_range = (0, 0)
+    if RULES & SEGMENTS:
+        SEG_Q, seg_q_sb, seg_q_sn = rules[7], rules[8], rules[9]
+        exists = (rows >= 0) & (rows < ctx[0])
+        ids = gl.load(SEG_Q + b * seg_q_sb + rows * seg_q_sn, mask=exists, other=0)
+        id_range = (gl.reduce(gl.where(exists, ids, 2147483647), 0, smaller),
+                    gl.reduce(gl.where(exists, ids, -2147483647), 0, larger))
+    return ids, id_range
+
+
+@gluon.jit
+def with_sink(acc, m_i, l_i, SINKS_PTR, h, scale_log2):
+    """Fold the virtual sink key (logit sinks[h], value 0) into the summary, as `exattn.algebra.merge`
+    with (sink, 1, 0), in raw units: a row with no allowed key ends at (sink, 1, 0)."""
+    sink = gl.load(SINKS_PTR + h).to(gl.float32) * (LOG2E / scale_log2)
+    m_new = gl.maximum(m_i, sink)
+    alpha = gl.exp2((m_i - m_new) * scale_log2)
+    l_i = l_i * alpha + gl.exp2((sink - m_new) * scale_log2)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, O, LSE, lse_stride, b, h, m0, heads_q, ring0,
+                ctx, rules, SINKS_PTR, scale_log2, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                PINGPONG: gl.constexpr, ONE_KEY_LOOP: gl.constexpr, RULES: gl.constexpr):
     """Rows m0 + 64*half + [0, 64) of (b, h) against the key tiles at ring positions ring0, ...: writes
-    their lse, and their out into q's slot (TMA store, waited for). Returns the number of key tiles
-    loaded for the work tile; under causal these rows may see fewer (`skip_tiles`)."""
+    their lse, and their out into q's slot (TMA store, waited for), or, for a packed sequence's last
+    ragged block, straight from registers. Returns the number of key tiles loaded for the work tile;
+    under causal these rows may see fewer (`skip_tiles`)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     DV: gl.constexpr = v_smem.shape[2]
@@ -372,13 +587,17 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
+    len_q = ctx[0]
 
-    num_tiles, _ = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, BLOCK_M)
+    lo, hi, _, _ = key_range(m0, ctx, BLOCK_N, CAUSAL, RULES, BLOCK_M)
     if PINGPONG:  # every warpgroup takes its turn at every key tile
-        own_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL, BLOCK_M)
+        _, own_hi, full_lo, full_hi = key_range(m0, ctx, BLOCK_N, CAUSAL, RULES, BLOCK_M)
     else:
-        own_tiles, full_tiles = key_tiles(m0 + half * ROWS, len_q, len_k, BLOCK_N, CAUSAL, ROWS)
+        _, own_hi, full_lo, full_hi = key_range(m0 + half * ROWS, ctx, BLOCK_N, CAUSAL, RULES, ROWS)
+    own_tiles = gl.maximum(own_hi - lo, 0)
     rows = m0 + half * ROWS + gl.arange(0, ROWS, layout=row_layout)
+    row_ids, id_range = row_segments(rows, ctx, rules, b, RULES)
+    bounds = (full_lo, full_hi, id_range)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
@@ -390,41 +609,70 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, LSE, b, h, 
         pass_turn(sched, half, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s,))
         release(k_empty, ring0, STAGES)
-        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, 0, len_q, len_k, scale_log2,
-                                          v_smem.dtype, p_layout, MASKED, CAUSAL)
-        if ONE_KEY_LOOP:  # one code copy of the step: diagonal tiles branch to the mask
+        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, rows, lo, ctx, row_ids, bounds, scale_log2, v_smem.dtype,
+                                          p_layout, MASKED, CAUSAL, RULES)
+        if ONE_KEY_LOOP:  # one code copy of the step: tiles that need it branch to the mask
             for j in range(1, own_tiles):
                 s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
-                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout,
-                                                     MASKED_FROM_FULL, CAUSAL, PINGPONG, full_tiles)
+                                                     lo + j, ring0 + j, ctx, row_ids, bounds, scale_log2,
+                                                     p_layout, MASKED_FROM_FULL, CAUSAL, PINGPONG, RULES)
         else:
-            for j in range(1, full_tiles):
+            gl.static_assert(RULES == 0, "score rules and packing take the one key loop")
+            for j in range(1, full_hi):
                 s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
-                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout, UNMASKED,
-                                                     CAUSAL, PINGPONG)
-            for j in range(gl.maximum(full_tiles, 1), own_tiles):
+                                                     j, ring0 + j, ctx, row_ids, bounds, scale_log2, p_layout, UNMASKED,
+                                                     CAUSAL, PINGPONG, RULES)
+            for j in range(gl.maximum(full_hi, 1), own_tiles):
                 s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
-                                                     j, ring0 + j, len_q, len_k, scale_log2, p_layout, MASKED,
-                                                     CAUSAL, PINGPONG)
+                                                     j, ring0 + j, ctx, row_ids, bounds, scale_log2, p_layout, MASKED,
+                                                     CAUSAL, PINGPONG, RULES)
         last = ring0 + own_tiles - 1
         wait_ready(v_ready, last, STAGES)
         acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         release(v_empty, last, STAGES)
+    if RULES & SINKS:
+        acc, m_i, l_i = with_sink(acc, m_i, l_i, SINKS_PTR, h, scale_log2)
 
     has_mass = l_i != 0.0  # NaN counts as mass, so NaN propagates
     safe_l = gl.where(has_mass, l_i, 1.0)
     lse = gl.where(has_mass, (m_i * scale_log2 + gl.log2(safe_l)) * LN2, float("-inf"))
-    gl.store(LSE + (b * heads_q + h).to(gl.int64) * len_q + rows, lse, mask=(rows >= 0) & (rows < len_q))
+    q_start = ctx[2]
+    gl.store(LSE + (ctx[4] * heads_q + h).to(gl.int64) * lse_stride + q_start + rows, lse,
+             mask=(rows >= 0) & (rows < len_q))
     inv_l = gl.convert_layout(gl.where(has_mass, 1.0 / safe_l, 0.0), gl.SliceLayout(1, o_layout))
-    o_smem = q  # Q's slot is free once the last S wgmma is done
-    o_smem.store(paired_cast(acc * gl.expand_dims(inv_l, 1), o_smem.dtype))
-    fence_async_shared()
-    if m0 + half * ROWS >= 0:  # not a causal tile's padding block (`tile_of`)
-        tma.async_copy_shared_to_global(o_desc, [b, h, m0 + half * ROWS, 0], as_box(o_smem, o_desc))
-    skip_tiles(k_smem, bars, ring0 + own_tiles, ring0 + num_tiles)
+    out = acc * gl.expand_dims(inv_l, 1)
+    row0 = m0 + half * ROWS
+    if (row0 >= 0) & (row0 < len_q):  # not a causal tile's padding block (`first_row`), nor past the rows
+        if RULES & VARLEN:
+            if row0 + ROWS > len_q:  # a TMA box would write into the next sequence
+                store_ragged_rows(O, out, q_start, row0, len_q, heads_q, h)
+            else:
+                store_rows(q, out, o_desc, ctx[4], h, q_start + row0)
+        else:
+            store_rows(q, out, o_desc, ctx[4], h, row0)
+    skip_tiles(k_smem, bars, ring0 + own_tiles, ring0 + hi - lo)
     tma.store_wait(0)
-    return num_tiles
+    return hi - lo
+
+
+@gluon.jit
+def store_rows(o_smem, out, o_desc, b, h, row):
+    """out into rows row + [0, 64) of (b, h) by TMA, through o_smem (Q's slot: free once the last S
+    wgmma is done); `attend_rows` waits for the store."""
+    o_smem.store(paired_cast(out, o_smem.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row, 0], as_box(o_smem, o_desc))
+
+
+@gluon.jit
+def store_ragged_rows(O, out, q_start, row0, len_q, heads_q, h):
+    """Rows row0 + [0, 64) of out (those below len_q) into the packed (total_q, Hq, Dv) O."""
+    DV: gl.constexpr = out.shape[1]
+    rows = gl.expand_dims(row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out.type.layout)), 1)
+    cols = gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, out.type.layout)), 0)
+    at = ((q_start + rows).to(gl.int64) * heads_q + h) * DV + cols
+    gl.store(O + at, paired_cast(out, O.dtype.element_ty), mask=rows + cols * 0 < len_q)
 
 
 @gluon.jit
@@ -442,58 +690,69 @@ def skip_tiles(k_smem, bars, first, end):
 
 
 @gluon.jit
-def compute_partition(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads,
-                      group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL: gl.constexpr,
-                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ONE_KEY_LOOP: gl.constexpr):
+def compute_partition(half: gl.constexpr, work, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                      PERSISTENT: gl.constexpr, ONE_KEY_LOOP: gl.constexpr, RULES: gl.constexpr):
     """Consumer warpgroup `half`: rows 64*half + [0, 64) of each work tile of this program (PERSISTENT),
     or of tile program_id, Q from the buffer the producer filled (two, alternating); the buffer is
-    handed back once the out is stored."""
+    handed back once the out is stored. `work`: the kernel's run-time values (`gluon_forward_kernel`)."""
+    (q_smem, k_smem, v_smem, bars, o_desc, O, LSE, lse_stride, heads_q, batch_heads, group, num_row_tiles,
+     heads_per_group, len_q, len_k, scale_log2, rules, SINKS_PTR) = work
     CONSUMERS: gl.constexpr = q_smem.shape[0] // bars[0].shape[0]
     if PERSISTENT:
         ring0 = 0
         for t in range(gl.program_id(0), num_row_tiles * batch_heads, gl.num_programs(0)):
             i = (t - gl.program_id(0)) // gl.num_programs(0)
-            ring0 += attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, t, i, ring0, heads_q,
-                                 batch_heads, group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2,
-                                 CONSUMERS, CAUSAL, PINGPONG, PERSISTENT, ONE_KEY_LOOP)
+            ring0 += attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, O, LSE, lse_stride, t, i, ring0,
+                                 heads_q, group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, rules,
+                                 SINKS_PTR, CONSUMERS, CAUSAL, PINGPONG, ONE_KEY_LOOP, RULES)
     else:
-        attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, gl.program_id(0), 0, 0, heads_q, batch_heads,
-                    group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG,
-                    PERSISTENT, ONE_KEY_LOOP)
+        attend_tile(half, q_smem, k_smem, v_smem, bars, o_desc, O, LSE, lse_stride, gl.program_id(0), 0, 0, heads_q,
+                    group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, rules, SINKS_PTR, CONSUMERS,
+                    CAUSAL, PINGPONG, ONE_KEY_LOOP, RULES)
 
 
 @gluon.jit
-def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, t, i, ring0, heads_q, batch_heads,
-                group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CONSUMERS: gl.constexpr,
-                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ONE_KEY_LOOP: gl.constexpr):
+def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, O, LSE, lse_stride, t, i, ring0, heads_q,
+                group, num_row_tiles, heads_per_group, len_q, len_k, scale_log2, rules, SINKS_PTR,
+                CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, ONE_KEY_LOOP: gl.constexpr,
+                RULES: gl.constexpr):
     """Work tile t, the i-th of this program, its key tiles from ring position ring0: `attend_rows` with
     Q from buffer i % Q_BUFFERS, handed back after. Returns the number of key tiles."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
-    b, h, _, m0 = tile_of(t, num_row_tiles, heads_q, group, heads_per_group, len_q, CONSUMERS * ROWS, CAUSAL)
+    b, h, _, tile_m = work_tile(t, num_row_tiles, heads_q, group, heads_per_group, CAUSAL)
+    ctx = work_context(rules, b, h, len_q, len_k, scale_log2, RULES)
+    m0 = first_row(tile_m, num_row_tiles, ctx[0], CONSUMERS * ROWS, CAUSAL)
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     wait_ready(q_ready, i, Q_BUFFERS)
-    num_tiles = attend_rows(half, q_smem.index((i % Q_BUFFERS) * CONSUMERS + half), k_smem, v_smem, bars, o_desc, LSE,
-                            b, h, m0, heads_q, ring0, len_q, len_k, scale_log2, CONSUMERS, CAUSAL, PINGPONG,
-                            ONE_KEY_LOOP)
+    num_tiles = attend_rows(half, q_smem.index((i % Q_BUFFERS) * CONSUMERS + half), k_smem, v_smem, bars, o_desc, O,
+                            LSE, lse_stride, b, h, m0, heads_q, ring0, ctx, rules, SINKS_PTR, scale_log2, CONSUMERS,
+                            CAUSAL, PINGPONG, ONE_KEY_LOOP, RULES)
     release(q_empty, i, Q_BUFFERS)
     return num_tiles
 
 
 @gluon.jit
 def gluon_forward_kernel(
-    q_desc, k_desc, v_desc, o_desc, LSE, heads_q, batch_heads, group, len_q, len_k, num_row_tiles, heads_per_group,
-    scale_log2,
+    q_desc, k_desc, v_desc, o_desc, O, LSE, lse_stride, heads_q, batch_heads, group, len_q, len_k, num_row_tiles,
+    heads_per_group, scale_log2, left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, SINKS_PTR, PREFIX_PTR,
+    SEG_Q, seg_q_sb, seg_q_sn, SEG_K, seg_k_sb, seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, ONE_KEY_LOOP: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, ONE_KEY_LOOP: gl.constexpr, RULES: gl.constexpr,
 ):
     """Grid: (programs,): one per work tile, or (PERSISTENT) fewer, each striding over the
-    num_row_tiles * B * Hq work tiles (`tile_of`; heads_per_group: the causal order's group size).
+    num_row_tiles * B * Hq work tiles (`work_tile`; heads_per_group: the causal order's group size).
     Descriptors (`tile_descriptor`): q, o (B, Hq, Nq, D) with [1, 1, 64, D] boxes, k, v (B, Hk, Nk, D)
-    with [1, 1, BLOCK_N, D] boxes; o in q's dtype. LSE: contiguous (B, Hq, Nq) float32, natural log.
+    with [1, 1, BLOCK_N, D] boxes; o in q's dtype. LSE: (B, Hq, Nq) float32, natural log, rows
+    lse_stride apart. RULES (bits, `rule_bits`): the window's left bound (CAUSAL: a right bound), softcap
+    (raw units: softcap / scale), ALiBi slopes (B, Hq) at ALIBI_PTR, sinks (Hq,), prefix (B,), segment
+    ids (B, Nq) and (B, Nk) with their 64-row blocks' key-tile ranges SEG_BLOCKS and key tiles' id
+    ranges KEY_IDS (`segment_tables`), and VARLEN: sequence b owns rows CU_Q[b]:CU_Q[b+1] of the
+    (1, Hq, total_q, D) views (CU_K: of K/V), len_q and len_k being the longest, O the packed out.
     """
     dtype: gl.constexpr = q_desc.dtype
     D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    gl.static_assert(BLOCK_N == KEY_TILE, "key tiles of KEY_TILE rows (`needs_mask`, `segment_tables`)")
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
 
@@ -519,35 +778,27 @@ def gluon_forward_kernel(
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(sched.index(i), count=1)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched)
+    rules = (left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K,
+             seg_k_sb, seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K)
 
-    # Arguments written out in each tuple (so one list per consumer count): a tuple bound to a
-    # name would turn the constexprs into run-time values inside the partitions.
+    # Run-time values travel as one tuple; the constexprs are written out in each entry (a constexpr
+    # inside a tuple bound to a name would reach the partitions as a run-time value).
+    work = (q_smem, k_smem, v_smem, bars, o_desc, O, LSE, lse_stride, heads_q, batch_heads, group, num_row_tiles,
+            heads_per_group, len_q, len_k, scale_log2, rules, SINKS_PTR)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads, group, num_row_tiles,
+             heads_per_group, len_q, len_k, scale_log2, rules)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
-                                 PERSISTENT, ONE_KEY_LOOP)),
-            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
-                                 PERSISTENT, ONE_KEY_LOOP)),
-            (forward_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads,
-                                      group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL,
-                                      PERSISTENT)),
+            (compute_partition, (0, work, CAUSAL, PINGPONG, PERSISTENT, ONE_KEY_LOOP, RULES)),
+            (compute_partition, (1, work, CAUSAL, PINGPONG, PERSISTENT, ONE_KEY_LOOP, RULES)),
+            (forward_load_partition, (loads, CONSUMERS, CAUSAL, PERSISTENT, RULES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (compute_partition, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
-                                 PERSISTENT, ONE_KEY_LOOP)),
-            (compute_partition, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
-                                 PERSISTENT, ONE_KEY_LOOP)),
-            (compute_partition, (2, q_smem, k_smem, v_smem, bars, o_desc, LSE, heads_q, batch_heads, group,
-                                 num_row_tiles, heads_per_group, len_q, len_k, scale_log2, CAUSAL, PINGPONG,
-                                 PERSISTENT, ONE_KEY_LOOP)),
-            (forward_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, heads_q, batch_heads,
-                                      group, num_row_tiles, heads_per_group, len_q, len_k, CONSUMERS, CAUSAL,
-                                      PERSISTENT)),
+            (compute_partition, (0, work, CAUSAL, PINGPONG, PERSISTENT, ONE_KEY_LOOP, RULES)),
+            (compute_partition, (1, work, CAUSAL, PINGPONG, PERSISTENT, ONE_KEY_LOOP, RULES)),
+            (compute_partition, (2, work, CAUSAL, PINGPONG, PERSISTENT, ONE_KEY_LOOP, RULES)),
+            (forward_load_partition, (loads, CONSUMERS, CAUSAL, PERSISTENT, RULES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -586,9 +837,12 @@ def broadcast_reasons(**tensors) -> list[str]:
     return []
 
 
-def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
-                   params: AttentionParams) -> list[str]:
-    """Every reason `gluon_forward` cannot serve these inputs (empty if it can)."""
+def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, params: AttentionParams,
+                   rules=None, packing=None) -> list[str]:
+    """Every reason `gluon_forward` cannot serve these inputs (empty if it can). packing: q, k, v are
+    packed token-major (total, H, d) (`passes.Packing`)."""
+    if packing is not None:
+        q, k, v = (packed_view(x) for x in (q, k, v))
     reasons = gluon_device_reasons(q.device)
     if q.dtype not in DTYPES:
         reasons.append(f"dtype {q.dtype} is not float16 or bfloat16")
@@ -598,51 +852,110 @@ def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
         reasons.append("a user mask is not supported")
     if params.dropout_p > 0:
         reasons.append(f"dropout_p={params.dropout_p} is not supported (only 0)")
-    if params.window not in WINDOWS:
-        reasons.append(f"window={params.window} is not supported (full attention or causal only)")
     if not (math.isfinite(params.scale) and params.scale > 0):
         reasons.append(f"scale={params.scale} must be positive and finite")
     if params.block_m is not None or params.block_n is not None:
         reasons.append(f"tiles are fixed; got block_m={params.block_m}, block_n={params.block_n}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         reasons.append(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if k.shape[2] == 0 and rules is not None and rules.sinks is not None:
+        reasons.append("no keys: sinks alone are the Triton kernel's")
     if not tma_compatible(q, k, v):
         reasons.append("strides are not TMA-compatible (16-byte aligned base and rows, unit last stride)")
     return reasons + broadcast_reasons(q=q, k=k, v=v)
 
 
-def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
-    """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32, natural log."""
-    reasons = gluon_supports(q, k, v, None, params)
+def packed_view(x: torch.Tensor) -> torch.Tensor:
+    """A packed (total, H, d) tensor as the (1, H, total, d) view the descriptors cover."""
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, rules=None,
+                  packing=None):
+    """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32, natural log; with `packing`, out
+    (total_q, Hq, D) and lse (Hq, total_q). rules: a `ScoreRules` (None: none)."""
+    reasons = gluon_supports(q, k, v, None, params, rules, packing)
     if reasons:
         raise ValueError("gluon_forward cannot serve these inputs: " + "; ".join(reasons))
-    return run_gluon_forward(q, k, v, params)
+    return run_gluon_forward(q, k, v, params, rules, packing)
 
 
-def run_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
+def run_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, rules=None,
+                      packing=None):
     """`gluon_forward` for inputs already checked with `gluon_supports`."""
     with on_device(q):
-        return launch(q, k, v, params)
+        return launch(q, k, v, params, rules, packing)
 
 
-def launch(q, k, v, params: AttentionParams):
-    batch, heads_q, len_q, dim = q.shape
-    len_k = k.shape[2]
-    out = torch.empty(batch, heads_q, len_q, dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or len_k == 0:
+def launch(q, k, v, params: AttentionParams, rules, packing):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if packing is None:
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        views = (q, k, v, out)
+    else:
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        views = tuple(packed_view(x) for x in (q, k, v, out))
+    if out.numel() == 0 or k.numel() == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    causal = params.window == (UNBOUNDED, 0)
-    args, grid = forward_arguments(q, k, v, out, lse, scalar_args(params)["scale_log2"], causal)
-    run_kernel(gluon_forward_kernel, grid, *args, **kernel_constants(dim, causal))
+    causal = params.window[1] != UNBOUNDED
+    bits = rule_bits(params, rules, packing)
+    args, grid = forward_arguments(*views, lse, scalar_args(params)["scale_log2"], causal, packing=packing,
+                                   rule_tensors=rule_arguments(views[0], views[1], params, rules, packing))
+    run_kernel(gluon_forward_kernel, grid, *args, **kernel_constants(q.shape[-1], causal, bits))
     return out, lse
 
 
-def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, programs: int | None = None) -> tuple:
+def rule_bits(params: AttentionParams, rules, packing) -> int:
+    """The kernel's RULES: a bit for each score rule in use, the window's left bound, and packing."""
+    on = dict(left=params.window[0] != UNBOUNDED, softcap=params.softcap > 0, varlen=packing is not None)
+    if rules is not None:
+        on.update(alibi=rules.alibi_slopes is not None, sinks=rules.sinks is not None,
+                  prefix=rules.prefix is not None, segments=rules.q_segment_ids is not None)
+    bit = dict(left=LEFT, softcap=SOFTCAP, alibi=ALIBI, sinks=SINKS, prefix=PREFIX, segments=SEGMENTS, varlen=VARLEN)
+    return sum(bit[name].value for name, is_on in on.items() if is_on)
+
+
+def rule_arguments(q, k, params: AttentionParams, rules, packing) -> tuple:
+    """The kernel's arguments from `left` to `CU_K` (placeholders where a rule is off): the window in
+    rows, the softcap in raw units, and the rules' tensors with their strides."""
+    left, right = (max(bound, 0) for bound in params.window)
+    softcap = params.softcap / params.scale if params.softcap > 0 else 0.0
+    rules = rules or ScoreRules()
+    alibi, sinks, prefix, seg_q, seg_k = (rules.alibi_slopes, rules.sinks, rules.prefix, rules.q_segment_ids,
+                                          rules.k_segment_ids)
+    seg_blocks, key_ids = segment_tables(seg_q, seg_k) if seg_q is not None else (None, None)
+    cu_q, cu_k = (packing.cu_q, packing.cu_k) if packing is not None else (None, None)
+    placeholder = q
+
+    def given(x):
+        return placeholder if x is None else x
+
+    def strides(x):
+        return (0, 0) if x is None else x.stride()
+
+    return (left, right, softcap, given(alibi), *strides(alibi), given(sinks), given(prefix), given(seg_q),
+            *strides(seg_q), given(seg_k), *strides(seg_k), given(seg_blocks), given(key_ids), given(cu_q),
+            given(cu_k))
+
+
+def segment_tables(q_ids: torch.Tensor, k_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 (B, Nq / 64, 2): each 64-row block's key tiles [lo, hi) whose ids can meet its own, and
+    int32 (B, Nk / KEY_TILE, 2): each key tile's least and greatest id. On the device, O(B * N / 64)."""
+    return segment_tile_ranges(q_ids, k_ids, ROWS.value, KEY_TILE.value), tile_id_ranges(k_ids, KEY_TILE.value)
+
+
+def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, programs: int | None = None,
+                      packing=None, rule_tensors: tuple | None = None) -> tuple:
     """Positional arguments of `gluon_forward_kernel`, and its grid: `programs` (default: one per
-    work tile, or on a persistent grid one per SM) striding over the work tiles."""
-    batch, heads_q, len_q, dim = q.shape
-    heads_k, len_k = k.shape[1], k.shape[2]
+    work tile, or on a persistent grid one per SM) striding over the work tiles. q, k, v, out are
+    (B, H, N, D), or with `packing` the (1, H, total, D) views of the packed tensors; rule_tensors:
+    `rule_arguments` (default: no rule)."""
+    heads_q, dim = q.shape[1], q.shape[3]
+    heads_k = k.shape[1]
+    if packing is None:
+        batch, len_q, len_k, lse_stride = q.shape[0], q.shape[2], k.shape[2], q.shape[2]
+    else:
+        batch, len_q, len_k, lse_stride = packing.batch, packing.max_q, packing.max_k, q.shape[2]
     cfg = CONFIGS[dim]
     row_tiles = ceil_div(len_q, cfg.consumers * ROWS.value)
     work = row_tiles * batch * heads_q
@@ -653,9 +966,11 @@ def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, progra
         costs = schedule.causal_row_costs(len_q, len_k, cfg.consumers * ROWS.value, cfg.block_n)
         kv_bytes = 2 * len_k * dim * k.element_size() // (heads_q // heads_k)  # per query head
         order = causal_heads_per_group(costs, batch * heads_q, kv_bytes, q.device)
+    if rule_tensors is None:
+        rule_tensors = rule_arguments(q, k, AttentionParams(scale=1.0), None, None)
     args = (tile_descriptor(q, ROWS.value), tile_descriptor(k, cfg.block_n), tile_descriptor(v, cfg.block_n),
-            tile_descriptor(out, ROWS.value), lse, heads_q, batch * heads_q, heads_q // heads_k, len_q, len_k,
-            row_tiles, order, scale_log2)
+            tile_descriptor(out, ROWS.value), out, lse, lse_stride, heads_q, batch * heads_q, heads_q // heads_k,
+            len_q, len_k, row_tiles, order, scale_log2, *rule_tensors)
     return args, (programs,)
 
 
@@ -673,12 +988,13 @@ def persistent_grid(cfg: GluonConfig, causal: bool) -> bool:
     return cfg.persistent and not causal
 
 
-def kernel_constants(dim: int, causal: bool) -> dict:
-    """Constexpr arguments and launch options of the kernel for head dim `dim`."""
+def kernel_constants(dim: int, causal: bool, rules: int = 0) -> dict:
+    """Constexpr arguments and launch options of the kernel for head dim `dim` and RULES `rules`
+    (`rule_bits`; any takes the one key loop)."""
     cfg = CONFIGS[dim]
     if cfg.consumers not in (2, 3):
         raise ValueError(f"GluonConfig.consumers must be 2 or 3, got {cfg.consumers}")
     maxnreg, consumer_regs = register_split(cfg.consumers)
     return dict(STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong, PERSISTENT=persistent_grid(cfg, causal),
-                ONE_KEY_LOOP=cfg.one_key_loop,
+                ONE_KEY_LOOP=cfg.one_key_loop or rules != 0, RULES=rules,
                 CONSUMERS=cfg.consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)

@@ -25,6 +25,7 @@ from .backward_kernel import attention_delta_kernel, attention_dkdv_kernel, atte
 from .configs import TileConfig, capability_of, ceil_div, choose_config, interpreting, padded_dim, tma_compatible
 from .forward_kernel import attention_forward_kernel
 from .replay import replayable, run_kernel
+from .segment_tables import segment_tile_ranges
 
 LOG2E = 1.4426950408889634
 MAX_GRID = 2**31 - 1
@@ -227,29 +228,6 @@ def rule_args(q: torch.Tensor, params: AttentionParams, rules) -> tuple[dict, di
     flags = dict(HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_PREFIX=prefix is not None,
                  HAS_SEGMENTS=seg_q is not None)
     return dict(args, SINKS=q if sinks is None else sinks), dict(flags, HAS_SINKS=sinks is not None)
-
-
-def tile_id_ranges(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least and greatest segment id of each `block` positions, (B, tiles) each (the last tile padded
-    with its own last id)."""
-    batch, n = ids.shape
-    tiles = ceil_div(n, block)
-    padded = torch.cat([ids, ids[:, -1:].expand(batch, tiles * block - n)], dim=1).view(batch, tiles, block)
-    return padded.amin(-1), padded.amax(-1)
-
-
-def segment_tile_ranges(row_ids: torch.Tensor, col_ids: torch.Tensor, block_rows: int, block_cols: int):
-    """int32 (B, row tiles, 2): for each row tile, the column tiles [lo, hi) whose id ranges can meet its
-    own. Exact where a batch entry's ids never decrease (packed documents: a search over the sorted
-    per-tile ranges); elsewhere every column tile. On the device, O(B * N / block), no sync."""
-    row_lo, row_hi = tile_id_ranges(row_ids, block_rows)
-    col_lo, col_hi = tile_id_ranges(col_ids, block_cols)
-    lo = torch.searchsorted(col_hi.contiguous(), row_lo.contiguous())
-    hi = torch.searchsorted(col_lo.contiguous(), row_hi.contiguous(), right=True)
-    sorted_ids = ((row_ids[:, 1:] >= row_ids[:, :-1]).all(1) & (col_ids[:, 1:] >= col_ids[:, :-1]).all(1))[:, None]
-    lo = torch.where(sorted_ids, lo, 0)
-    hi = torch.where(sorted_ids, hi, col_lo.shape[1])
-    return torch.stack([lo, hi], dim=-1).to(torch.int32).contiguous()
 
 
 def segment_ranges(rules, q: torch.Tensor, block_rows: int, block_cols: int, keys_first: bool = False):
