@@ -348,3 +348,39 @@ def test_causal_head_groups_match_oracle(d, size, shape, monkeypatch):
     monkeypatch.setattr(gf.schedule, "heads_per_group", forced_heads_per_group(size))
     torch.manual_seed(hash((d, size) + shape) % 2**31)
     check(*gpu_inputs(*shape, d, torch.bfloat16), causal=True)
+
+
+def test_rule_bits_and_arguments_name_each_rule():
+    from exattn.backends.triton.passes import Packing
+    from exattn.problem import ScoreRules
+
+    plain = AttentionParams(scale=0.5, window=(-1, 0))
+    assert gf.rule_bits(plain, None, None) == 0
+    ids = torch.zeros(2, 300, dtype=torch.int32)
+    rules = ScoreRules(ids, ids, torch.zeros(2, dtype=torch.int32), torch.ones(2, 4), torch.zeros(4))
+    windowed = AttentionParams(scale=0.5, window=(7, 3), softcap=25.0)
+    cu = torch.zeros(3, dtype=torch.int32)
+    bits = gf.rule_bits(windowed, rules, Packing(cu, cu, 300, 300))
+    assert bits == sum(b.value for b in (gf.LEFT, gf.SOFTCAP, gf.ALIBI, gf.SINKS, gf.PREFIX, gf.SEGMENTS, gf.VARLEN))
+    q = torch.empty(2, 4, 300, 64, dtype=torch.bfloat16)
+    args = gf.rule_arguments(q, q, windowed, None, None)
+    assert args[:3] == (7, 3, 50.0)  # the window in rows, the softcap in raw units (softcap / scale)
+    assert all(x is q for x in args if isinstance(x, torch.Tensor))  # placeholders where a rule is off
+
+
+def test_supports_packed_batches_and_refuses_sinks_without_keys(monkeypatch):
+    from exattn.backends.triton.passes import Packing
+    from exattn.problem import ScoreRules
+
+    monkeypatch.setattr(gf, "gluon_device_reasons", lambda device: [])
+    params = AttentionParams(scale=0.125, window=(-1, 0))
+    q, k = torch.empty(500, 8, 64, dtype=torch.bfloat16), torch.empty(700, 2, 64, dtype=torch.bfloat16)
+    cu = torch.zeros(3, dtype=torch.int32)
+    assert gf.gluon_supports(q, k, k, None, params, None, Packing(cu, cu, 300, 400)) == []
+    assert gf.packed_view(q).shape == (1, 8, 500, 64)
+    qkv = torch.empty(500, 3, 8, 64, dtype=torch.bfloat16)  # a slice of a packed qkv buffer
+    assert gf.gluon_supports(qkv[:, 0], qkv[:, 1], qkv[:, 2], None, params, None, Packing(cu, cu, 300, 300)) == []
+    dense = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16)
+    no_keys = torch.empty(1, 2, 0, 64, dtype=torch.bfloat16)
+    reasons = gf.gluon_supports(dense, no_keys, no_keys, None, params, ScoreRules(sinks=torch.zeros(2)))
+    assert any("sinks" in r for r in reasons), reasons

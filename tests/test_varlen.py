@@ -457,3 +457,24 @@ def test_validate_false_skips_the_checks_that_read_offsets():
             make_varlen_problem(*kwargs.values())
     with pytest.raises(TypeError, match="cu_seqlens_q must be torch.int32"):
         make_varlen_problem(*args(cu_seqlens_q=cu(0, 3, 8, dtype=torch.int64)).values(), validate=False)
+
+
+def test_offsets_are_read_once_per_tensor_until_written(monkeypatch):
+    """validate=True reads a cu_seqlens tensor once; the same tensor again (the next layer) is not read,
+    a write to it (an in-place torch op) or other totals are, and a bad write is refused."""
+    from exattn import varlen as varlen_module
+
+    reads = []
+    real = varlen_module.offsets_to_host
+    monkeypatch.setattr(varlen_module, "offsets_to_host", lambda x: reads.append(x) or real(x))
+    q, k, v, cu_q, cu_k = pack([3, 5], [4, 6])
+    for _ in range(3):
+        make_varlen_problem(q, k, v, cu_q, cu_k, 5, 6)
+    assert len(reads) == 2  # q's offsets and k's, once each
+    make_varlen_problem(q, k, v, cu_q, cu_k, 7, 6)  # another max_seqlen_q
+    assert len(reads) == 3
+    make_varlen_problem(q, k, v, cu_q.clone(), cu_k, 5, 6)  # the same values in another tensor
+    assert len(reads) == 4
+    cu_q[1] = 6  # sequence 0 now 6 > max_seqlen_q = 5
+    with pytest.raises(ValueError, match="max_seqlen_q = 5"):
+        make_varlen_problem(q, k, v, cu_q, cu_k, 5, 6)

@@ -31,6 +31,7 @@ pass over sequence `b` reads that padded grid through
 from __future__ import annotations
 
 import numbers
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple, overload
@@ -134,6 +135,28 @@ def offsets_to_host(offsets: torch.Tensor) -> list[int]:
     return offsets.tolist()
 
 
+# Offsets tensors whose values passed `check_offset_values`: (id, total, max_seqlen) -> (a weak reference to
+# the tensor, its version counter then). `check_offsets_once` skips them while the tensor is alive and unchanged.
+CHECKED_OFFSETS: dict[tuple[int, int, int], tuple[weakref.ref, int]] = {}
+MAX_CHECKED = 256
+
+
+def check_offsets_once(name: str, offsets: torch.Tensor, total: int, total_name: str, max_seqlen: int,
+                       max_name: str) -> None:
+    """`check_offset_values` unless this very tensor passed it for the same total and max_seqlen and has
+    not been written since (torch's version counter: every in-place torch op on it or a view counts; a
+    write that bypasses torch, such as a custom kernel's, does not). The layers of one model step share one
+    offsets tensor, so only the first reads it to the host (a device sync on a GPU)."""
+    key = (id(offsets), total, max_seqlen)
+    seen = CHECKED_OFFSETS.get(key)
+    if seen is not None and seen[0]() is offsets and seen[1] == offsets._version:
+        return
+    check_offset_values(name, offsets_to_host(offsets), total, total_name, max_seqlen, max_name)
+    if len(CHECKED_OFFSETS) >= MAX_CHECKED:
+        CHECKED_OFFSETS.clear()
+    CHECKED_OFFSETS[key] = (weakref.ref(offsets), offsets._version)
+
+
 def check_offset_values(name: str, offsets: list[int], total: int, total_name: str,
                         max_seqlen: int, max_name: str) -> None:
     """The rules that need the offsets' values: start at 0, non-decreasing, end at the total,
@@ -185,8 +208,8 @@ def make_varlen_problem(
         raise ValueError("validate=True reads the offsets to the host, which torch.compile cannot trace: "
                          "pass validate=False there (and check the offsets outside the compiled code)")
     if validate:
-        check_offset_values("cu_seqlens_q", offsets_to_host(cu_q), q.shape[0], "total_q", max_q, "max_seqlen_q")
-        check_offset_values("cu_seqlens_k", offsets_to_host(cu_k), k.shape[0], "total_k", max_k, "max_seqlen_k")
+        check_offsets_once("cu_seqlens_q", cu_q, q.shape[0], "total_q", max_q, "max_seqlen_q")
+        check_offsets_once("cu_seqlens_k", cu_k, k.shape[0], "total_k", max_k, "max_seqlen_k")
     params = make_params(
         q.shape[2], causal=causal, window=window, scale=scale, dropout_p=dropout_p, seed=seed,
         block_m=block_m, block_n=block_n, softcap=softcap,
@@ -454,9 +477,10 @@ def attention_varlen(
             with no allowed key (whose output is 0).
         backend: "auto", "triton", "tiled" or "naive" (see `explain_varlen_backend`).
         block_m, block_n: query and key tile sizes; None lets the backend choose.
-        validate: check the offsets' values (may sync with the device). False skips
-            those checks (CUDA graphs; required under torch.compile); offsets that break
-            the rules are then undefined behaviour. The "tiled" and "naive" paths read the
+        validate: check the offsets' values (may sync with the device; a tensor already
+            checked for the same totals and not written since is not read again). False
+            skips those checks (CUDA graphs; required under torch.compile); offsets that
+            break the rules are then undefined behaviour. The "tiled" and "naive" paths read the
             offsets to the host anyway (they loop over sequences there), so only the fused
             path can be graph-captured.
         prefix: int or int32 (B,): local keys j < prefix[b] are allowed whatever causal and
