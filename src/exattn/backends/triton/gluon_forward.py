@@ -115,6 +115,22 @@ SINKS: gl.constexpr = gl.constexpr(8)
 PREFIX: gl.constexpr = gl.constexpr(16)
 SEGMENTS: gl.constexpr = gl.constexpr(32)
 VARLEN: gl.constexpr = gl.constexpr(64)
+# Fields of a work tile's context (`work_context`).
+LEN_Q: gl.constexpr = gl.constexpr(0)  # the sequence's query rows
+LEN_K: gl.constexpr = gl.constexpr(1)  # its keys
+Q_START: gl.constexpr = gl.constexpr(2)  # its first query row in the packed tensors (0 dense)
+K_START: gl.constexpr = gl.constexpr(3)
+DESC_BATCH: gl.constexpr = gl.constexpr(4)  # the batch coordinate of the descriptors (0 packed)
+LEFT_ROWS: gl.constexpr = gl.constexpr(5)  # the window
+RIGHT_ROWS: gl.constexpr = gl.constexpr(6)
+CAP: gl.constexpr = gl.constexpr(7)  # softcap / scale
+INV_CAP: gl.constexpr = gl.constexpr(8)
+SLOPE: gl.constexpr = gl.constexpr(9)  # ALiBi slope / scale
+PREFIX_KEYS: gl.constexpr = gl.constexpr(10)  # min(prefix, len_k)
+KEY_IDS: gl.constexpr = gl.constexpr(11)  # the keys' segment ids, and their stride
+KEY_IDS_STRIDE: gl.constexpr = gl.constexpr(12)
+KEY_TILE_IDS: gl.constexpr = gl.constexpr(13)  # each key tile's (least, greatest) id
+BLOCK_KEY_TILES: gl.constexpr = gl.constexpr(14)  # each 64-row block's key tiles [lo, hi) by segment ids
 # Which key tiles a step masks (`softmax_tile`): none, every one, those from the first not-full one on.
 UNMASKED: gl.constexpr = gl.constexpr(0)
 MASKED: gl.constexpr = gl.constexpr(1)
@@ -244,10 +260,8 @@ def tile_of(t, num_row_tiles, heads_q, group, heads_per_group, len_q, BLOCK_M: g
 
 @gluon.jit
 def work_context(rules, b, h, len_q, len_k, scale_log2, RULES: gl.constexpr):
-    """What the rules and the packing fix for (b, h), in raw score units (scores before the scale):
-    (len_q, len_k, q_start, k_start, descriptor batch, left, right, softcap, 1 / softcap, ALiBi slope,
-    prefix, segment ids of b's keys, their row stride, b's key tiles' id ranges, b's row blocks' key-tile
-    ranges). `rules` is the kernel's (`gluon_forward_kernel`)."""
+    """What the rules and the packing fix for (b, h), in raw score units (scores before the scale): a
+    tuple indexed by LEN_Q, ..., BLOCK_KEY_TILES. `rules` is the kernel's (`gluon_forward_kernel`)."""
     (left, right, cap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K, seg_k_sb,
      seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K) = rules
     q_start = 0
@@ -275,7 +289,7 @@ def work_context(rules, b, h, len_q, len_k, scale_log2, RULES: gl.constexpr):
 def segment_key_range(ctx, first, last):
     """[lo, hi) of the key tiles whose segment ids can meet those of rows first..last (their 64-row
     blocks' ranges, `segment_block_ranges`)."""
-    SEG_BLOCKS = ctx[14]
+    SEG_BLOCKS = ctx[BLOCK_KEY_TILES]
     lo = gl.load(SEG_BLOCKS + first // ROWS * 2)
     hi = gl.load(SEG_BLOCKS + first // ROWS * 2 + 1)
     for block in range(first // ROWS + 1, last // ROWS + 1):
@@ -292,8 +306,8 @@ def key_range(m0, ctx, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, RULES: gl.co
     Rows that do not exist see none: those past len_q, and those before row 0 (`first_row`'s padding).
     The kernel form of `tiles.tile_segments` with `with_prefix_keys` and `with_segment_tiles`; CAUSAL: the
     window has a right bound (0 for causal), LEFT in RULES: a left one."""
-    len_q, len_k = ctx[0], ctx[1]
-    left, right = ctx[5], ctx[6]
+    len_q, len_k = ctx[LEN_Q], ctx[LEN_K]
+    left, right = ctx[LEFT_ROWS], ctx[RIGHT_ROWS]
     first = gl.maximum(m0, 0)
     last = gl.minimum(m0 + BLOCK_M, len_q) - 1
     offset = len_k - len_q
@@ -311,7 +325,7 @@ def key_range(m0, ctx, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, RULES: gl.co
     lo = gl.minimum(lo_key, hi_key) // BLOCK_N
     hi = gl.cdiv(hi_key, BLOCK_N)
     if RULES & PREFIX:
-        prefix = ctx[10]
+        prefix = ctx[PREFIX_KEYS]
         lo = gl.where(prefix > 0, 0, lo)
         hi = gl.maximum(hi, gl.cdiv(prefix, BLOCK_N))
     if RULES & SEGMENTS:
@@ -356,13 +370,13 @@ def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, t, i, ring0,
     BLOCK_M: gl.constexpr = CONSUMERS * ROWS
     b, h, hk, tile_m = work_tile(t, num_row_tiles, heads_q, group, heads_per_group, CAUSAL)
     ctx = work_context(rules, b, h, len_q, len_k, scale_log2, RULES)
-    m0 = first_row(tile_m, num_row_tiles, ctx[0], BLOCK_M, CAUSAL)
+    m0 = first_row(tile_m, num_row_tiles, ctx[LEN_Q], BLOCK_M, CAUSAL)
     lo, hi, _, _ = key_range(m0, ctx, k_smem.shape[1], CAUSAL, RULES, BLOCK_M)
     mbarrier.wait(q_empty.index(i % Q_BUFFERS), ((i // Q_BUFFERS) & 1) ^ 1)
-    load_q(q_desc, q_smem, (i % Q_BUFFERS) * CONSUMERS, q_ready.index(i % Q_BUFFERS), ctx[4], h, m0, CONSUMERS,
-           ctx[2])
-    load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, ctx[4], hk, ring0, hi - lo,
-                 lo, ctx[3])
+    load_q(q_desc, q_smem, (i % Q_BUFFERS) * CONSUMERS, q_ready.index(i % Q_BUFFERS), ctx[DESC_BATCH], h, m0, CONSUMERS,
+           ctx[Q_START])
+    load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, ctx[DESC_BATCH], hk, ring0, hi - lo,
+                 lo, ctx[K_START])
     return hi - lo
 
 
@@ -442,10 +456,10 @@ def modified_scores(s, rows, tile, ctx, RULES: gl.constexpr):
     """Raw scores after the softcap, then ALiBi (the SPEC's order), in raw units: softcap / scale and
     slope / scale (`work_context`)."""
     if RULES & SOFTCAP:
-        s = ctx[7] * fast_tanh(s * ctx[8])
+        s = ctx[CAP] * fast_tanh(s * ctx[INV_CAP])
     if RULES & ALIBI:
-        distance = gl.expand_dims(rows + (ctx[1] - ctx[0]), 1) - gl.expand_dims(key_positions(s, tile), 0)
-        s = s - ctx[9] * gl.abs(distance).to(gl.float32)
+        distance = gl.expand_dims(rows + (ctx[LEN_K] - ctx[LEN_Q]), 1) - gl.expand_dims(key_positions(s, tile), 0)
+        s = s - ctx[SLOPE] * gl.abs(distance).to(gl.float32)
     return s
 
 
@@ -453,7 +467,7 @@ def modified_scores(s, rows, tile, ctx, RULES: gl.constexpr):
 def masked_scores(s, rows, tile, ctx, row_ids, CAUSAL: gl.constexpr, RULES: gl.constexpr):
     """Scores s of key tile `tile`, -inf where rows may not see the key: past len_k, outside the window
     (bottom-right; CAUSAL: a right bound), unless below the prefix; then unless the segment ids match."""
-    len_q, len_k = ctx[0], ctx[1]
+    len_q, len_k = ctx[LEN_Q], ctx[LEN_K]
     keys = key_positions(s, tile)
     cols = gl.expand_dims(keys, 0)
     if RULES == 0:
@@ -466,13 +480,13 @@ def masked_scores(s, rows, tile, ctx, row_ids, CAUSAL: gl.constexpr, RULES: gl.c
         diagonal = gl.expand_dims(rows + (len_k - len_q), 1)
         allowed = cols < len_k
         if CAUSAL:
-            allowed = allowed & (cols <= diagonal + ctx[6])
+            allowed = allowed & (cols <= diagonal + ctx[RIGHT_ROWS])
         if RULES & LEFT:
-            allowed = allowed & (cols >= diagonal - ctx[5])
+            allowed = allowed & (cols >= diagonal - ctx[LEFT_ROWS])
         if RULES & PREFIX:
-            allowed = allowed | (cols < ctx[10])
+            allowed = allowed | (cols < ctx[PREFIX_KEYS])
         if RULES & SEGMENTS:
-            key_ids = gl.load(ctx[11] + keys * ctx[12], mask=keys < len_k, other=0)
+            key_ids = gl.load(ctx[KEY_IDS] + keys * ctx[KEY_IDS_STRIDE], mask=keys < len_k, other=0)
             allowed = allowed & (gl.expand_dims(row_ids, 1) == gl.expand_dims(key_ids, 0))
         s = gl.where(allowed, s, float("-inf"))
     return s
@@ -485,9 +499,9 @@ def needs_mask(tile, full_lo, full_hi, ctx, row_id_range, RULES: gl.constexpr):
     are not all one id."""
     masked = (tile < full_lo) | (tile >= full_hi)
     if RULES & PREFIX:
-        masked = masked & (tile >= ctx[10] // KEY_TILE)
+        masked = masked & (tile >= ctx[PREFIX_KEYS] // KEY_TILE)
     if RULES & SEGMENTS:
-        ids = ctx[13] + tile * 2
+        ids = ctx[KEY_TILE_IDS] + tile * 2
         low, high = row_id_range
         masked = masked | (low != high) | (gl.load(ids) != low) | (gl.load(ids + 1) != low)
     return masked
@@ -551,7 +565,7 @@ def row_segments(rows, ctx, rules, b, RULES: gl.constexpr):
     id_range = (0, 0)
     if RULES & SEGMENTS:
         SEG_Q, seg_q_sb, seg_q_sn = rules[7], rules[8], rules[9]
-        exists = (rows >= 0) & (rows < ctx[0])
+        exists = (rows >= 0) & (rows < ctx[LEN_Q])
         ids = gl.load(SEG_Q + b * seg_q_sb + rows * seg_q_sn, mask=exists, other=0)
         id_range = (gl.reduce(gl.where(exists, ids, 2147483647), 0, smaller),
                     gl.reduce(gl.where(exists, ids, -2147483647), 0, larger))
@@ -587,7 +601,7 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, O, LSE, lse
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
-    len_q = ctx[0]
+    len_q = ctx[LEN_Q]
 
     lo, hi, _, _ = key_range(m0, ctx, BLOCK_N, CAUSAL, RULES, BLOCK_M)
     if PINGPONG:  # every warpgroup takes its turn at every key tile
@@ -637,8 +651,8 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, O, LSE, lse
     has_mass = l_i != 0.0  # NaN counts as mass, so NaN propagates
     safe_l = gl.where(has_mass, l_i, 1.0)
     lse = gl.where(has_mass, (m_i * scale_log2 + gl.log2(safe_l)) * LN2, float("-inf"))
-    q_start = ctx[2]
-    gl.store(LSE + (ctx[4] * heads_q + h).to(gl.int64) * lse_stride + q_start + rows, lse,
+    q_start = ctx[Q_START]
+    gl.store(LSE + (ctx[DESC_BATCH] * heads_q + h).to(gl.int64) * lse_stride + q_start + rows, lse,
              mask=(rows >= 0) & (rows < len_q))
     inv_l = gl.convert_layout(gl.where(has_mass, 1.0 / safe_l, 0.0), gl.SliceLayout(1, o_layout))
     out = acc * gl.expand_dims(inv_l, 1)
@@ -648,9 +662,9 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, O, LSE, lse
             if row0 + ROWS > len_q:  # a TMA box would write into the next sequence
                 store_ragged_rows(O, out, q_start, row0, len_q, heads_q, h)
             else:
-                store_rows(q, out, o_desc, ctx[4], h, q_start + row0)
+                store_rows(q, out, o_desc, ctx[DESC_BATCH], h, q_start + row0)
         else:
-            store_rows(q, out, o_desc, ctx[4], h, row0)
+            store_rows(q, out, o_desc, ctx[DESC_BATCH], h, row0)
     skip_tiles(k_smem, bars, ring0 + own_tiles, ring0 + hi - lo)
     tma.store_wait(0)
     return hi - lo
@@ -721,7 +735,7 @@ def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, O, LSE
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
     b, h, _, tile_m = work_tile(t, num_row_tiles, heads_q, group, heads_per_group, CAUSAL)
     ctx = work_context(rules, b, h, len_q, len_k, scale_log2, RULES)
-    m0 = first_row(tile_m, num_row_tiles, ctx[0], CONSUMERS * ROWS, CAUSAL)
+    m0 = first_row(tile_m, num_row_tiles, ctx[LEN_Q], CONSUMERS * ROWS, CAUSAL)
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     wait_ready(q_ready, i, Q_BUFFERS)
     num_tiles = attend_rows(half, q_smem.index((i % Q_BUFFERS) * CONSUMERS + half), k_smem, v_smem, bars, o_desc, O,
