@@ -423,10 +423,17 @@ def max_difference(a, b):
 
 
 @pytest.mark.parametrize("use_cache", [False, True])
-def test_packed_batch_matches_documents_one_by_one_through_attention_varlen(small_llama, calls, use_cache):
+def test_packed_batch_matches_documents_one_by_one_through_attention_varlen(small_llama, calls, use_cache,
+                                                                             monkeypatch):
     """With use_cache=False transformers sees the packing in the position ids and asks for the
     block-diagonal mask (deferred, never built); with a cache (the config's default, even in
-    training) it asks for plain causal (None). Either way the offsets decide."""
+    training) it asks for plain causal (None). Either way the offsets decide, and the layers share
+    them: their values are checked once a step, not once a layer."""
+    from exattn import varlen as varlen_module
+
+    checks = []
+    real_check = varlen_module.check_offset_values
+    monkeypatch.setattr(varlen_module, "check_offset_values", lambda *a: checks.append(a[0]) or real_check(*a))
     docs, total = documents(), sum(DOC_LENGTHS)
     batch = packed_batch(docs, use_cache=use_cache)
     assert batch["input_ids"].shape == (1, total) and batch["max_length_q"] == max(DOC_LENGTHS)
@@ -454,6 +461,7 @@ def test_packed_batch_matches_documents_one_by_one_through_attention_varlen(smal
     for mask in calls.masks:
         assert mask is None if use_cache else isinstance(mask, ext.DeferredPackedMask)
     assert not calls.built  # no (total, total) mask was ever built
+    assert checks.count("cu_seqlens_q") == 1 and checks.count("cu_seqlens_k") <= 1  # not once a layer
 
 
 def test_packed_batch_without_offsets_builds_the_mask_and_stays_exact(small_llama, calls):
