@@ -478,3 +478,19 @@ def test_offsets_are_read_once_per_tensor_until_written(monkeypatch):
     cu_q[1] = 6  # sequence 0 now 6 > max_seqlen_q = 5
     with pytest.raises(ValueError, match="max_seqlen_q = 5"):
         make_varlen_problem(q, k, v, cu_q, cu_k, 5, 6)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "naive"])
+def test_no_autograd_node_without_a_wanted_gradient(backend):
+    """Inputs that need no gradient (or grad mode off) run the forward pass alone; with one wanted the
+    output has its backward node."""
+    q, k, v, cu_q, cu_k = pack([3, 5], [4, 6])
+    out = exattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, backend=backend)
+    assert out.grad_fn is None
+    q.requires_grad_(True)
+    with torch.no_grad():
+        assert exattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, backend=backend).grad_fn is None
+    out = exattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, backend=backend)
+    assert out.grad_fn is not None
+    torch.testing.assert_close(out.detach(), exattn.attention_varlen(q.detach(), k, v, cu_q, cu_k, 5, 6,
+                                                                     backend=backend), rtol=0, atol=0)

@@ -39,7 +39,7 @@ from typing import Literal, NamedTuple, overload
 import torch
 
 from .backends import AUTO_PRIORITY, BackendChoice, check_backend_name
-from .backends.autograd import row_delta
+from .backends.autograd import row_delta, wants_grad
 from .backends.custom_ops import PACKED, define_attention_ops
 from .backends.naive import NaiveBackend
 from .backends.tiled import tiled_backward, tiled_forward
@@ -417,10 +417,14 @@ def run_varlen(problem: VarlenProblem, backend: str = "auto") -> tuple[torch.Ten
     packing = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.max_seqlen_q, problem.max_seqlen_k)
     if torch.compiler.is_compiling():
         return VARLEN_OPS[name].attend(problem.q, problem.k, problem.v, packing, problem.params, problem.rules)
-    args = (problem.q, problem.k, problem.v, *packing, problem.params, VARLEN_PASSES[name]())
-    if problem.rules is None:
+    passes, rules = VARLEN_PASSES[name](), problem.rules
+    if not wants_grad(problem.q, problem.k, problem.v, None if rules is None else rules.sinks):
+        extra = {} if rules is None else {"rules": rules}  # the forward pass alone: no autograd node
+        return passes.forward(problem.q, problem.k, problem.v, *packing, problem.params, **extra)
+    args = (problem.q, problem.k, problem.v, *packing, problem.params, passes)
+    if rules is None:
         return VarlenAttention.apply(*args)
-    return VarlenAttention.apply(*args, problem.rules, problem.rules.sinks)
+    return VarlenAttention.apply(*args, rules, rules.sinks)
 
 
 # ---------------------------------------------------------------- public entry points
