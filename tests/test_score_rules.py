@@ -17,7 +17,7 @@ from exattn.backends import tiled as tiled_module
 from exattn.backends.triton import problem_reasons
 from exattn.problem import make_problem
 from exattn.reference import attention_ref
-from error_rule import assert_matches_oracle
+from error_rule import FLOORS, assert_matches_oracle
 
 NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks")
 
@@ -77,8 +77,11 @@ def check_rules(shape, dtype, rules, *, causal=False, window=None, mask=None, dr
     ref_sinks = None if sinks is None else sinks.double()
     results = [run(f, q, k, v, s, dout) for f, s in ((ours, sinks), (naive, sinks), (oracle, ref_sinks))]
     assert results[0][0].dtype == dtype and results[0][1].dtype == torch.float32
+    # dK = scale * dS^T Q: the rounding of dS = P (dP - delta) reaches dK times |Q|, even where dK itself
+    # cancels to 0 (one key: dP = delta exactly, in exact arithmetic only).
+    floors = {"dk": FLOORS[dtype] * max(1.0, float(q.abs().max()))}
     for name, mine, base, ref in zip(NAMES, *results):
-        assert_matches_oracle(f"tiled/{name}", mine, base, ref, dtype)
+        assert_matches_oracle(f"tiled/{name}", mine, base, ref, dtype, floors.get(name))
     for name, base, ref in zip(NAMES, results[1], results[2]):
         assert_matches_oracle(f"naive/{name}", base, base, ref, dtype)
 
