@@ -15,3 +15,13 @@ def run_checks(checks, rank: int, world: int) -> list[str]:
         except Exception:  # noqa: BLE001 - reported after the barrier, so no rank hangs
             failures.append(f"rank {rank}/{world} {name}:\n{traceback.format_exc()}")
     return failures
+
+
+def finish(failures: list[str]) -> None:
+    """Wait for every rank, close the process group, then raise this rank's failures (if any)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    if failures:
+        raise AssertionError("\n".join(failures))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from error_rule import assert_matches_oracle, max_abs_error
-from rank_checks import run_checks
+from rank_checks import finish, run_checks
 
 import exattn
 from exattn.distributed import RingComm, ring, ring_attention, shard, unshard
@@ -212,10 +212,7 @@ def worker(rank: int, world: int, store_path: str) -> None:
     if world == 4:
         checks.append(("subgroups", lambda: check_subgroups(rank, world)))
     failures = run_checks(checks, rank, world)
-    dist.barrier()
-    dist.destroy_process_group()
-    if failures:
-        raise AssertionError("\n".join(failures))
+    finish(failures)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from error_rule import assert_matches_oracle, max_abs_error
-from rank_checks import run_checks
+from rank_checks import finish, run_checks
 from torch.distributed.device_mesh import init_device_mesh
 
 import exattn
@@ -388,10 +388,7 @@ def worker(rank: int, world: int, store_path: str) -> None:
     checks.append(("refusals", lambda: check_refusals(rank, world)))
     checks.append(("bad-rules", lambda: check_bad_rules(rank, world)))
     failures = run_checks(checks, rank, world)
-    dist.barrier()
-    dist.destroy_process_group()
-    if failures:
-        raise AssertionError("\n".join(failures))
+    finish(failures)
 
 
 def spawn(world: int) -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from error_rule import assert_matches_oracle, max_abs_error
-from rank_checks import run_checks
+from rank_checks import finish, run_checks
 from torch.distributed.device_mesh import init_device_mesh
 
 import exattn
@@ -317,10 +317,7 @@ def worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         failures.append(f"rank {rank}/{world} fault:\n{traceback.format_exc()}")
     with open(os.path.join(out_dir, f"ratios-{rank}.txt"), "w") as f:
         f.write(repr(results))
-    dist.barrier()
-    dist.destroy_process_group()
-    if failures:
-        raise AssertionError("\n".join(failures))
+    finish(failures)
 
 
 def spawn(world: int) -> None:

@@ -100,12 +100,13 @@ def gluon_backward_serves_rules(params: AttentionParams, rules) -> bool:
     return rules is None and not params.softcap
 
 
-def gluon_forward_usable(q: torch.Tensor, head_dim: int, len_q: int) -> bool:
-    """Whether the Gluon forward is switched on, written for this Triton, and measured faster here
-    (its own `gluon_supports` says whether it serves the inputs)."""
+def gluon_usable(q: torch.Tensor, min_len: dict[int, int], len_q: int) -> bool:
+    """Whether the Gluon kernels are switched on, written for this Triton, and measured faster for q's
+    head dim at this query length (`min_len`: GLUON_FORWARD_MIN_LEN or GLUON_BACKWARD_MIN_LEN); their own
+    support checks say whether they serve the inputs."""
     from .passes import settings
 
-    return (settings.use_gluon and q.is_cuda and gluon_length_ok(GLUON_FORWARD_MIN_LEN, head_dim, len_q)
+    return (settings.use_gluon and q.is_cuda and gluon_length_ok(min_len, q.shape[-1], len_q)
             and gluon_written_for_this_triton())
 
 
@@ -153,7 +154,7 @@ def triton_forward(q, k, v, mask, params: AttentionParams, rules=None):
     """
     from .passes import triton_forward as run
 
-    if gluon_forward_usable(q, q.shape[-1], q.shape[2]):
+    if gluon_usable(q, GLUON_FORWARD_MIN_LEN, q.shape[2]):
         from .gluon_forward import gluon_supports, run_gluon_forward
 
         if not gluon_supports(q, k, v, mask, params, rules):
@@ -172,8 +173,7 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     from .passes import settings
     from .passes import triton_backward as run
 
-    if (settings.use_gluon and q.is_cuda and gluon_length_ok(GLUON_BACKWARD_MIN_LEN, q.shape[-1], q.shape[2])
-            and gluon_written_for_this_triton() and gluon_backward_serves_rules(params, rules)):
+    if gluon_usable(q, GLUON_BACKWARD_MIN_LEN, q.shape[2]) and gluon_backward_serves_rules(params, rules):
         from . import gluon_backward as gb
 
         atomic = settings.atomic_dq and q.shape[-1] in gb.ATOMIC_CONFIGS

@@ -145,23 +145,16 @@ def wgmma_layout(n):
 
 @gluon.jit
 def key_tiles(m0, len_q, len_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr = 128):
-    """(hi, full): rows [m0, m0 + BLOCK_M) see key tiles [0, hi); tiles [0, full) need no mask.
-    Rows that do not exist see none: under full attention those past len_q (a ragged last tile's
-    padding), under causal masking those before row 0 (where `tile_of` puts a ragged tile's padding).
-
-    The kernel form of `masks.band_bounds` for window (-1, -1) and (-1, 0).
-    """
-    hi = gl.cdiv(len_k, BLOCK_N)
-    full = len_k // BLOCK_N
-    if CAUSAL:
-        offset = len_k - len_q
-        last = gl.minimum(m0 + BLOCK_M, len_q) - 1
-        hi = gl.cdiv(gl.maximum(gl.minimum(last + offset + 1, len_k), 0), BLOCK_N)
-        full = gl.minimum(full, gl.maximum(m0 + offset + 1, 0) // BLOCK_N)
-    else:
-        hi = gl.where(m0 < len_q, hi, 0)
-        full = gl.minimum(full, hi)
+    """(hi, full): rows [m0, m0 + BLOCK_M) see key tiles [0, hi); tiles [0, full) need no mask. `key_range`
+    for full or causal attention without rules (the Gluon backward's dQ pass)."""
+    _, hi, _, full = key_range(m0, plain_context(len_q, len_k), BLOCK_N, CAUSAL, 0, BLOCK_M)
     return hi, full
+
+
+@gluon.jit
+def plain_context(len_q, len_k):
+    """A work tile's context (`work_context`) without rules or packing."""
+    return (len_q, len_k, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0)
 
 
 @gluon.jit

@@ -1,7 +1,7 @@
 """The Triton passes over packed variable-length batches (`exattn.attention_varlen`).
 
-The dense kernels serve them with VARLEN set (the Gluon forward with its VARLEN bit): sequence b's programs read its
-rows from the int32 offsets on the device (no host sync), the grid is sized by
+The dense kernels serve them with VARLEN set (the Gluon forward with its VARLEN bit): sequence
+b's programs read its rows from the int32 offsets on the device (no host sync), the grid is sized by
 the longest lengths, and programs past a sequence's end return at once.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...problem import AttentionParams
-from . import gluon_forward_usable, replay_key, replays
+from . import GLUON_FORWARD_MIN_LEN, gluon_usable, replay_key, replays
 from .passes import Packing, triton_backward, triton_forward
 from .replay import replayable
 
@@ -21,7 +21,7 @@ def triton_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: A
     rules: softcap, ALiBi slopes (B, Hq) of the sequences and sinks, as the dense kernels take them.
     On Hopper the Gluon forward serves what it can (`gluon_forward.gluon_supports`)."""
     packing = Packing(cu_q, cu_k, max_q, max_k)
-    if gluon_forward_usable(q, q.shape[-1], max_q):
+    if gluon_usable(q, GLUON_FORWARD_MIN_LEN, max_q):
         from .gluon_forward import gluon_supports, run_gluon_forward
 
         if not gluon_supports(q, k, v, None, params, rules, packing):
