@@ -30,6 +30,7 @@ from test_gluon_forward import (
     gpu_inputs,
     needs_cuda,
     resource_usage,
+    rule_placeholders,
 )
 
 import exattn
@@ -60,10 +61,12 @@ def config_for(dim: int, config_id: str) -> gb.GluonBackwardConfig:
     return gb.CONFIGS[dim] if config_id == "shipped" else CANDIDATES[config_id]
 
 
-def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, cfg, dq_mode: str = "kernel") -> tuple:
+def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, cfg, dq_mode: str = "kernel",
+                     rule_tables: tuple | None = None) -> tuple:
     """(positional arguments, constexprs) as `gluon_backward.launch` passes them, built from CPU
     tensors (contiguous, (B, N, H, D) memory for the float32 accumulators); dq_mode "atomic": the
-    dK/dV kernel with a float32 dQ to add into, "ordered": also with its semaphores."""
+    dK/dV kernel with a float32 dQ to add into, "ordered": also with its semaphores; rule_tables: the
+    (dK/dV, dQ) rule arguments (default: placeholders, `backward_rule_arguments` without rules)."""
     q, k, v = (torch.empty(2, heads, 300, dim, dtype=dtype) for heads in (4, 2, 2))
     if accumulate:
         dq, dk, dv = (torch.empty(2, 300, x.shape[1], dim).transpose(1, 2) for x in (q, k, v))
@@ -71,15 +74,18 @@ def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, 
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     pad = gb.padded_rows(300, cfg)
     lse2 = delta = torch.empty(8, pad)
+    dkdv_rules, dq_rules = rule_tables or gb.backward_rule_arguments(q, k, AttentionParams(scale=1.0), None, cfg)
     if kind == "dkdv":
         dq_sum = torch.empty(q.shape) if dq_mode != "kernel" else None
         semaphores = torch.empty(8, pad // cfg.dkdv_block_m, dtype=torch.int32) if dq_mode == "ordered" else None
         args, _ = gb.dkdv_arguments(q, q, k, v, lse2, delta, dk, dv, pad, cfg, False, dq_sum, semaphores, accumulate)
+        args = (*args, 0.5, 0.1, *dkdv_rules)
         stages = dict(STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots, ALTERNATE_DQ=cfg.alternate_dq)
     else:
         args, _ = gb.dq_arguments(q, q, k, v, lse2, delta, dq, pad, cfg, False)
+        args = (*args, 0.5, 0.1, *dq_rules)
         stages = dict(STAGES=cfg.dq_stages)
-    return (*args, 0.5, 0.1), dict(**stages, **gb.kernel_options(cfg, False, accumulate))
+    return args, dict(**stages, **gb.kernel_options(cfg, False, accumulate))
 
 
 def compile_for_sm90(kind: str, dim: int, causal: bool, dtype: torch.dtype, accumulate: bool = False,
@@ -167,6 +173,47 @@ def check_compiled(kernel, kind: str, dim: int, causal: bool, dq_mode: str, tma_
     assert len(stores) == expected * len(reductions) + grad_stores, "ordered: a tile's first contribution is stored"
 
 
+# RULES bits (`gluon_backward.backward_rule_bits`) compiled for each kernel and head dim.
+BACKWARD_RULE_SETS = {"window softcap alibi": gf.LEFT.value | gf.SOFTCAP.value | gf.ALIBI.value,
+                      "prefix segments": gf.PREFIX.value | gf.SEGMENTS.value,
+                      "every rule": gf.LEFT.value | gf.RIGHT.value | gf.SOFTCAP.value | gf.ALIBI.value
+                      | gf.PREFIX.value | gf.SEGMENTS.value,
+                      "packed": gf.VARLEN.value,
+                      "packed with rules": gf.VARLEN.value | gf.LEFT.value | gf.SOFTCAP.value | gf.ALIBI.value
+                      | gf.PREFIX.value}
+
+
+def rule_tables(dim: int) -> tuple:
+    """(dK/dV, dQ) rule arguments of every rule over CPU tensors, shaped as `backward_rule_arguments` makes
+    them for `launch_arguments`'s problem (B = 2, Hq = 4, N = 300)."""
+    cfg = gb.RULE_CONFIGS[dim]
+    forward = rule_placeholders()
+    dq_rules = forward[:6] + forward[7:]
+    tables = (torch.zeros(2, gf.ceil_div(300, 128), 2, dtype=torch.int32),
+              torch.zeros(2, gf.ceil_div(300, cfg.dkdv_block_m), 2, dtype=torch.int32))
+    return dq_rules[:13] + tables + dq_rules[15:], dq_rules
+
+
+@pytest.mark.parametrize("rules", BACKWARD_RULE_SETS)
+@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("dim,causal", [(64, True), (128, True), (128, False)])
+def test_rule_variants_compile_for_sm90(kind, dim, causal, rules, tmp_path):
+    """The score rules keep each kernel's design in their tiles (`RULE_CONFIGS`), without spills (the
+    dK/dV kernel may park a few scalars on the stack, as the causal diagonal does)."""
+    cfg = gb.RULE_CONFIGS[dim]
+    args, consts = launch_arguments(kind, dim, torch.bfloat16, False, cfg, rule_tables=rule_tables(dim))
+    consts["RULES"] = BACKWARD_RULE_SETS[rules]
+    if kind == "dkdv":
+        consts["ROTATE"] = False
+    kernel = compile_gluon_for_sm90(KERNELS[kind], args, {**consts, "CAUSAL": causal})
+    usage = resource_usage(kernel, tmp_path)
+    assert usage["LOCAL"] == 0 and usage["STACK"] <= 24, f"register spills: {usage}"
+    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
+    ptx = kernel.asm["ptx"]
+    assert "setmaxnreg.inc" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert ("tanh.approx.f32" in ptx) == bool(BACKWARD_RULE_SETS[rules] & gf.SOFTCAP.value)
+
+
 def sass_lines(kernel, tmp_path) -> list[str]:
     """The kernel's SASS (the wheel's nvdisasm), one instruction or label per line, comments dropped."""
     cubin = tmp_path / "kernel.cubin"
@@ -242,10 +289,29 @@ def test_supports_names_every_reason(monkeypatch):
     params = AttentionParams(scale=-1.0, window=(4, 0), dropout_p=0.1, block_m=64)
     dout = torch.randn(1, 3, 8, 81)[..., :48]
     reasons = " | ".join(gb.gluon_backward_supports(q, k, v[..., :48], torch.ones(8, 8, dtype=torch.bool),
-                                                    params, dout))
-    for words in ("CUDA", "float32", "D=80, Dv=48", "mask", "dropout_p=0.1", "window=(4, 0)",
-                  "scale=-1.0", "block_m=64", "multiple of key/value heads", "TMA", "dout (shape (1, 3, 8, 48)"):
+                                                    params, dout, atomic_dq=True))
+    for words in ("CUDA", "float32", "D=80, Dv=48", "mask", "dropout_p=0.1",
+                  "atomic_dq: not with score rules, packing or window=(4, 0)", "scale=-1.0", "block_m=64",
+                  "multiple of key/value heads", "TMA", "dout (shape (1, 3, 8, 48)"):
         assert words in reasons, (words, reasons)
+    assert "window" not in " | ".join(gb.gluon_backward_supports(q, k, v[..., :48], None, params, dout))
+
+
+def test_gluon_backward_serves_rules_and_packing_where_measured_faster():
+    """Rules and packing take the Gluon backward at d = 128 only, packing only with a right window bound
+    (`gluon_backward_faster`); plain problems at every head dim the kernels have."""
+    from exattn.backends.triton import gluon_backward_faster
+    from exattn.backends.triton.passes import Packing
+    from exattn.problem import ScoreRules
+
+    causal, full = AttentionParams(scale=0.1, window=(-1, 0)), AttentionParams(scale=0.1)
+    capped = AttentionParams(scale=0.1, window=(-1, 0), softcap=5.0)
+    packing = Packing(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 8, 8)
+    sinks_only = ScoreRules(sinks=torch.zeros(4))
+    assert gluon_backward_faster(64, causal, None) and gluon_backward_faster(64, full, sinks_only)
+    assert gluon_backward_faster(128, capped, None) and not gluon_backward_faster(64, capped, None)
+    assert gluon_backward_faster(128, causal, None, packing) and not gluon_backward_faster(128, full, None, packing)
+    assert not gluon_backward_faster(64, causal, None, packing)
 
 
 def test_supports_names_head_dims_without_atomic_dq(monkeypatch):

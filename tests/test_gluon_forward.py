@@ -361,7 +361,9 @@ def test_rule_bits_and_arguments_name_each_rule():
     windowed = AttentionParams(scale=0.5, window=(7, 3), softcap=25.0)
     cu = torch.zeros(3, dtype=torch.int32)
     bits = gf.rule_bits(windowed, rules, Packing(cu, cu, 300, 300))
-    assert bits == sum(b.value for b in (gf.LEFT, gf.SOFTCAP, gf.ALIBI, gf.SINKS, gf.PREFIX, gf.SEGMENTS, gf.VARLEN))
+    assert bits == sum(b.value for b in (gf.LEFT, gf.RIGHT, gf.SOFTCAP, gf.ALIBI, gf.SINKS, gf.PREFIX, gf.SEGMENTS,
+                                         gf.VARLEN))
+    assert gf.rule_bits(AttentionParams(scale=0.5, window=(-1, 5)), None, None) == gf.RIGHT.value  # not causal's 0
     q = torch.empty(2, 4, 300, 64, dtype=torch.bfloat16)
     args = gf.rule_arguments(q, q, windowed, None, None)
     assert args[:3] == (7, 3, 50.0)  # the window in rows, the softcap in raw units (softcap / scale)

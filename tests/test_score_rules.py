@@ -449,6 +449,29 @@ def test_gpu_gluon_forward_serves_packed_rules(case, d, dtype, monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", range(3))
+def test_gpu_gluon_backward_serves_packed_rules(case, d, dtype, monkeypatch):
+    """Packed sequences (empty ones, lengths off the tiles) with the rules, through the Gluon backward
+    (at every length, head dim and window here)."""
+    from exattn.backends import triton as backend
+    from exattn.backends.triton import gluon_backward as gb
+
+    monkeypatch.setitem(backend.GLUON_BACKWARD_MIN_LEN, d, 1)
+    monkeypatch.setattr(backend, "GLUON_RULES_BACKWARD_HEAD_DIMS", (64, 128))  # also where Triton is faster
+    monkeypatch.setattr(backend, "GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND", False)
+    calls = []
+    real = gb.run_gluon_backward
+    monkeypatch.setattr(gb, "run_gluon_backward", lambda *args: calls.append(1) or real(*args))
+    lens_q, lens_k, rules = VARLEN_CASES[case]
+    scale = 37
+    check_varlen_rules([n * scale for n in lens_q], [n * scale for n in lens_k], rules, dtype, "triton", "cuda",
+                       d=d, dv=d, seed=case)
+    assert calls == [1]
+
+
 # ---------------------------------------------------------------- backends that say why not
 
 

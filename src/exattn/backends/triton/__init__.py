@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from ...problem import AttentionParams, AttentionProblem
+from ...problem import UNBOUNDED, AttentionParams, AttentionProblem
 from ..autograd import recomputing_attention
 from .configs import MAX_HEAD_DIM, capability_of, interpreting, tile_problems
 from .replay import replayable
@@ -35,6 +35,13 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # round (and ordered dQ 0.65x cuDNN in one), so d = 128 starts at 1k. Shorter lengths: not measured.
 GLUON_FORWARD_MIN_LEN = {64: 1, 128: 1}
 GLUON_BACKWARD_MIN_LEN = {64: 512, 128: 1024}
+# The Gluon backward with score rules, windows other than full or causal, or packing (`backward_rule_bits`;
+# its 32-row query tiles, `gluon_backward.RULE_CONFIGS`), where it beats the Triton kernels on the H200
+# (bf16, 16k tokens, against those kernels' figures of the previous masks and varlen tables): d = 128 with
+# rules 1.09-1.30x (sinks with a 4k window 0.98x); packed d = 128 causal 1.00-1.44x, but packed full
+# attention 0.89-1.00x and packed d = 64 0.71-0.81x, which keep the Triton kernels.
+GLUON_RULES_BACKWARD_HEAD_DIMS = (128,)
+GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND = True
 GLUON_HEAD_DIMS = tuple(GLUON_FORWARD_MIN_LEN)
 GLUON_BACKWARD_HEAD_DIMS = tuple(GLUON_BACKWARD_MIN_LEN)
 GLUON_TRITON = (3, 6)
@@ -95,11 +102,6 @@ def reasons_for(device, dtype, head_dim, value_dim, block_m, block_n, mask_devic
     return tuple(reasons)
 
 
-def gluon_backward_serves_rules(params: AttentionParams, rules) -> bool:
-    """The Gluon backward applies no score rule (the Gluon forward applies them all)."""
-    return rules is None and not params.softcap
-
-
 def gluon_usable(q: torch.Tensor, min_len: dict[int, int], len_q: int) -> bool:
     """Whether the Gluon kernels are switched on, written for this Triton, and measured faster for q's
     head dim at this query length (`min_len`: GLUON_FORWARD_MIN_LEN or GLUON_BACKWARD_MIN_LEN); their own
@@ -108,6 +110,18 @@ def gluon_usable(q: torch.Tensor, min_len: dict[int, int], len_q: int) -> bool:
 
     return (settings.use_gluon and q.is_cuda and gluon_length_ok(min_len, q.shape[-1], len_q)
             and gluon_written_for_this_triton())
+
+
+def gluon_backward_faster(head_dim: int, params: AttentionParams, rules, packing=None) -> bool:
+    """Whether the Gluon backward is measured faster than the Triton kernels for these rules and packing
+    (GLUON_RULES_BACKWARD_HEAD_DIMS, GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND); plain problems: always."""
+    from .gluon_backward import backward_rule_bits
+
+    if not backward_rule_bits(params, rules, packing):
+        return True
+    if head_dim not in GLUON_RULES_BACKWARD_HEAD_DIMS:
+        return False
+    return packing is None or not GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND or params.window[1] != UNBOUNDED
 
 
 def gluon_written_for_this_triton() -> bool:
@@ -167,18 +181,19 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     """Raw backward pass: dq, dk, dv for `triton_forward`, or added into `accumulate_into`.
 
     On Hopper at the head dims and lengths of GLUON_BACKWARD_MIN_LEN the Gluon kernels
-    (`gluon_backward.py`, deterministic; with `settings.atomic_dq` their atomic dQ variant
-    where it exists) serve what they can; everything else runs the Triton kernels.
+    (`gluon_backward.py`, deterministic, score rules included; with `settings.atomic_dq` their atomic dQ
+    variant where it exists, without rules) serve what they can; everything else runs the Triton kernels.
     """
     from .passes import settings
     from .passes import triton_backward as run
 
-    if gluon_usable(q, GLUON_BACKWARD_MIN_LEN, q.shape[2]) and gluon_backward_serves_rules(params, rules):
+    if gluon_usable(q, GLUON_BACKWARD_MIN_LEN, q.shape[2]) and gluon_backward_faster(q.shape[-1], params, rules):
         from . import gluon_backward as gb
 
-        atomic = settings.atomic_dq and q.shape[-1] in gb.ATOMIC_CONFIGS
-        if not gb.gluon_backward_supports(q, k, v, mask, params, dout, atomic):
-            return gb.run_gluon_backward(dout, q, k, v, out, lse, params, accumulate_into, atomic)
+        atomic = (settings.atomic_dq and q.shape[-1] in gb.ATOMIC_CONFIGS
+                  and not gb.backward_rule_bits(params, rules))
+        if not gb.gluon_backward_supports(q, k, v, mask, params, dout, atomic, rules):
+            return gb.run_gluon_backward(dout, q, k, v, out, lse, params, accumulate_into, atomic, rules)
     return run(dout, q, k, v, mask, out, lse, params, accumulate_into, rules=rules)
 
 

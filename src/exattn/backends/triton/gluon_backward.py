@@ -1,15 +1,24 @@
 """FA3-style attention backward for Hopper (sm_90), written in Gluon.
 
-    gluon_backward(dout, q, k, v, out, lse, params, accumulate_into=None) -> (dq, dk, dv)
-    gluon_backward_supports(q, k, v, mask, params, dout=None) -> reasons it cannot serve (empty: it can)
+    gluon_backward(dout, q, k, v, out, lse, params, accumulate_into=None, rules=None) -> (dq, dk, dv)
+    gluon_backward_supports(q, k, v, mask, params, dout=None, rules=None) -> reasons it cannot serve
 
 Same contract as `passes.triton_backward` for the subset it serves (that of
 `gluon_forward.gluon_supports`: sm_90, fp16/bf16, D = Dv in {64, 128}, no mask,
-no dropout, full or bottom-right causal, GQA, any lengths, TMA-compatible
-strides). With P = exp(S - lse) recomputed from the saved lse (base 2 inside)
-and delta = rowsum(O * dO) (`attention_delta_kernel`):
+no dropout, any window (bottom-right), every score rule, GQA, any lengths,
+TMA-compatible strides; not packed batches). With P = exp(S - lse) recomputed
+from the saved lse (base 2 inside) and delta = rowsum(O * dO):
 
     dV = P^T dO,   dS = P * (dO V^T - delta),   dK = scale dS^T Q,   dQ = scale dS K
+
+The score rules and windows other than full or causal (`backward_rule_bits`)
+recompute S' as the forward does (`rule_scores`: softcap, then ALiBi) and
+multiply dS by the softcap's derivative 1 - tanh^2; each sweep covers the
+tiles the window, prefix and segment-id tables let meet (`query_range`,
+the forward's `key_range`), and a tile applies the element mask
+(`allowed_pairs`) unless all its pairs are allowed (`all_allowed`). They
+take the dQ kernel (not atomic or ordered dQ). The sinks reach the backward
+through lse alone.
 
 `gluon_dkdv_kernel`: one program owns 128 keys of one (batch, K/V head) and
 sweeps the query tiles that can see them, for every query head of its GQA
@@ -73,27 +82,58 @@ from .configs import ceil_div, multiprocessor_count, tma_compatible
 from .dq_order import dq_rank, load_early, settle_dq, sweep_start, sweep_tile, wait_turn
 from .gluon_forward import (
     CONSUMER_REGS,
+    DESC_BATCH,
+    K_START,
+    KEY_IDS,
+    KEY_IDS_STRIDE,
+    KEY_TILE,
+    KEY_TILE_IDS,
+    LEFT,
+    LEFT_ROWS,
+    LEN_K,
+    LEN_Q,
     MAXNREG,
+    PREFIX,
+    PREFIX_KEYS,
     PRODUCER_REGS,
+    Q_START,
+    RIGHT_ROWS,
     ROWS,
+    SEGMENTS,
+    SINKS,
+    SOFTCAP,
+    VARLEN,
+    allowed_pairs,
     as_box,
     box_layout,
     broadcast_reasons,
     causal_heads_per_group,
+    first_row,
     gluon_supports,
+    key_range,
     key_tiles,
-    load_partition,
+    load_kv_ring,
+    load_q,
     longest_first,
+    packed_view,
     paired_cast,
+    position_segments,
     program_id_again,
     release,
+    row_segments,
+    rule_arguments,
+    rule_bits,
+    rule_scores,
     tile_descriptor,
     tile_of,
     wait_ready,
     wgmma_layout,
+    work_context,
+    work_tile,
 )
 from .passes import LOG2E, grid_of, on_device, settings
 from .replay import run_kernel
+from .segment_tables import segment_tile_ranges, tile_id_ranges
 
 
 class GluonBackwardConfig(NamedTuple):
@@ -123,6 +163,11 @@ CONFIGS = {64: GluonBackwardConfig(64, 4, 128, 2, in_registers=True), 128: Gluon
 # (ordered, bf16, N = 4k / 16k; 4 dQ slots at d = 64: 0.98-1.01x 2).
 # d = 64, whole dQ tiles by turns against column halves (bf16 / fp16, N = 4k-16k, two rounds): ordered
 # 0.99-1.04x (all but one cell above 1), atomic 0.99-1.03x; at d = 128 the whole [64, 128] float32 tile spills (80-96 B).
+# Score rules, windows other than full or causal and packing (`backward_rule_bits`): the mask and the
+# softcap's derivative need registers that the shipped dK/dV tiles have not (ptxas spilled up to 408 bytes at
+# d = 128, 672 at d = 64); with 32-row query tiles (the ring as many bytes deep) they compile without spills.
+# On the H200 (bf16, d = 128, 16k causal) they read 1.00-1.04x the 64-row tiles that spill.
+RULE_CONFIGS = {64: GluonBackwardConfig(32, 8, 64, 4), 128: GluonBackwardConfig(32, 8, 64, 4)}
 ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True, alternate_dq=True),
                   128: GluonBackwardConfig(64, 3, 0, 0, dq_slots=1)}
 # Query lengths from which the deterministic backward adds dQ in order in the dK/dV kernel (where it
@@ -198,6 +243,61 @@ def query_tiles(n0, len_q, len_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def query_range(n0, ctx, QUERY_TILES, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, RULES: gl.constexpr):
+    """[lo, hi): the query tiles that can see keys [n0, n0 + 128) under the window (CAUSAL: a right
+    bound), the prefix and (SEGMENTS) the key block's row of QUERY_TILES (`backward_rule_arguments`).
+    The transpose of the forward's `key_range`."""
+    len_q, len_k = ctx[LEN_Q], ctx[LEN_K]
+    offset = len_k - len_q
+    all_tiles = gl.cdiv(len_q, BLOCK_M)
+    lo = 0
+    hi = all_tiles
+    if CAUSAL:  # row r sees key c only if c <= r + offset + right
+        lo = gl.maximum(n0 - offset - ctx[RIGHT_ROWS], 0) // BLOCK_M
+    if RULES & LEFT:  # ... and c >= r + offset - left
+        last_key = gl.minimum(n0 + 2 * ROWS, len_k) - 1
+        hi = gl.minimum(hi, gl.cdiv(gl.maximum(last_key - offset + ctx[LEFT_ROWS] + 1, 0), BLOCK_M))
+    if RULES & PREFIX:
+        in_prefix = n0 < ctx[PREFIX_KEYS]
+        lo = gl.where(in_prefix, 0, lo)
+        hi = gl.where(in_prefix, all_tiles, hi)
+    if RULES & SEGMENTS:
+        lo = gl.maximum(lo, gl.load(QUERY_TILES + n0 // KEY_TILE * 2))
+        hi = gl.minimum(hi, gl.load(QUERY_TILES + n0 // KEY_TILE * 2 + 1))
+    hi = gl.where(n0 < len_k, gl.minimum(hi, all_tiles), 0)  # a packed sequence may end before n0
+    return gl.minimum(lo, hi), hi
+
+
+@gluon.jit
+def all_allowed(r0, k0, NR: gl.constexpr, NK: gl.constexpr, ctx, q_id_range, k_id_range, CAUSAL: gl.constexpr,
+                RULES: gl.constexpr):
+    """Whether every query of [r0, r0 + NR) exists and may see every key of [k0, k0 + NK) (`allowed_pairs`
+    for a whole tile, from the ids' (least, greatest) over its queries and over its keys)."""
+    len_q, len_k = ctx[LEN_Q], ctx[LEN_K]
+    diagonal = r0 + (len_k - len_q)  # the first query's
+    exists = (r0 >= 0) & (r0 + NR <= len_q) & (k0 + NK <= len_k)
+    allowed = exists
+    if CAUSAL:
+        allowed = allowed & (k0 + NK - 1 <= diagonal + ctx[RIGHT_ROWS])
+    if RULES & LEFT:
+        allowed = allowed & (k0 >= diagonal + NR - 1 - ctx[LEFT_ROWS])
+    if RULES & PREFIX:
+        allowed = allowed | (exists & (k0 + NK <= ctx[PREFIX_KEYS]))
+    if RULES & SEGMENTS:
+        one_id = (q_id_range[0] == q_id_range[1]) & (k_id_range[0] == k_id_range[1])
+        allowed = allowed & one_id & (q_id_range[0] == k_id_range[0])
+    return allowed
+
+
+@gluon.jit
+def rule_probabilities(s, lse2, q_pos, k_pos, ctx, scale_log2, RULES: gl.constexpr):
+    """P = exp2(S' * scale_log2 - lse2) from raw scores s after the rules (`rule_scores`; lse2 broadcast
+    against s), and the softcap's derivative."""
+    s, slope_of_cap = rule_scores(s, q_pos, k_pos, ctx, RULES)
+    return gl.exp2(s * scale_log2 - lse2), slope_of_cap
+
+
+@gluon.jit
 def key_block_of(pid, num_col_tiles, heads_per_group, CAUSAL: gl.constexpr):
     """(b * Hk + hk, first key) of dK/dV program pid, in `longest_first` order (causal: the first
     keys are seen by the most query tiles)."""
@@ -206,50 +306,83 @@ def key_block_of(pid, num_col_tiles, heads_per_group, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group, BLOCK_M: gl.constexpr,
-                    CAUSAL: gl.constexpr, ROTATE: gl.constexpr):
-    """(b, hk, n0, lo, full, tiles, start) of this dK/dV program: keys [n0, n0 + 128) of K/V head
-    (b, hk), seen by query tiles [lo, lo + tiles), [full, lo + tiles) unmasked (`query_tiles`); its
-    sweep over them starts at `start` (`sweep_tile`)."""
+def key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group, rules, scale_log2,
+                    BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr, RULES: gl.constexpr):
+    """(b, hk, n0, lo, full, tiles, start, place) of this dK/dV program: keys [n0, n0 + 128) of K/V head
+    (b, hk), seen by query tiles [lo, lo + tiles), [full, lo + tiles) unmasked (`query_tiles`; with
+    RULES, `query_range`, and each tile decides itself); its sweep over them starts at `start`
+    (`sweep_tile`); place: `sequence_place`."""
     heads_k = heads_q // group
     bhk, n0 = key_block_of(gl.program_id(0), num_col_tiles, heads_per_group, CAUSAL)
-    lo, full, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
+    b = bhk // heads_k
+    hk = bhk % heads_k
+    if RULES == 0:
+        lo, full, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
+        place = (b, 0, 0)
+    else:
+        ctx = work_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
+        QUERY_TILES = rules[13] + b * gl.cdiv(len_k, KEY_TILE) * 2
+        lo, hi = query_range(n0, ctx, QUERY_TILES, BLOCK_M, CAUSAL, RULES)
+        full = hi
+        place = sequence_place(b, ctx, RULES)
     tiles = gl.maximum(hi - lo, 0)
     start = sweep_start(n0 // (2 * ROWS), num_col_tiles, tiles, ROTATE)
-    return bhk // heads_k, bhk % heads_k, n0, lo, full, tiles, start
+    return b, hk, n0, lo, full, tiles, start, place
+
+
+@gluon.jit
+def sequence_place(b, ctx, RULES: gl.constexpr):
+    """(descriptor batch coordinate, first query row, first key row) of batch entry b: (b, 0, 0), or for a
+    packed sequence (VARLEN) (0, its offsets) (`work_context`)."""
+    place = (b, 0, 0)
+    if RULES & VARLEN:
+        place = (ctx[DESC_BATCH], ctx[Q_START], ctx[K_START])
+    return place
 
 
 @gluon.jit
 def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                         v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
-                        len_q_pad, len_k, group, CAUSAL: gl.constexpr, ROTATE: gl.constexpr):
+                        len_q_pad, len_k, group, rules, scale_log2, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+                        RULES: gl.constexpr):
     """Producer warp: K, V once; then Q, lse and dO, delta of (head g, tile t) into slot j % STAGES."""
     kv_bar, q_ready, do_ready, empty = bars
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
-    b, hk, n0, lo, _, tiles, start = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
-                                                     BLOCK_M, CAUSAL, ROTATE)
+    _, hk, n0, lo, _, tiles, start, place = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k,
+                                                            group, rules, scale_log2, BLOCK_M, CAUSAL, ROTATE, RULES)
+    b, q_start, k_start = place
     bh0 = b * heads_q + hk * group
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + half * ROWS, 0], kv_bar,
+        tma.async_copy_global_to_shared(k_desc, [b, hk, k_start + n0 + half * ROWS, 0], kv_bar,
                                         as_box(k_smem.index(half), k_desc))
-        tma.async_copy_global_to_shared(v_desc, [b, hk, n0 + half * ROWS, 0], kv_bar,
+        tma.async_copy_global_to_shared(v_desc, [b, hk, k_start + n0 + half * ROWS, 0], kv_bar,
                                         as_box(v_smem.index(half), v_desc))
     for j in range(group * tiles):
         g = j // tiles
-        row = sweep_tile(j, lo, tiles, start, ROTATE) * BLOCK_M
+        row = q_start + sweep_tile(j, lo, tiles, start, ROTATE) * BLOCK_M
         slot = j % STAGES
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
         ready = q_ready.index(slot)
-        mbarrier.expect(ready, q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, hk * group + g, row, 0], ready, as_box(q_smem.index(slot), q_desc))
-        tma.async_copy_global_to_shared(lse_desc, [(bh0 + g) * len_q_pad + row], ready, lse_smem.index(slot))
-        ready = do_ready.index(slot)
-        mbarrier.expect(ready, do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, hk * group + g, row, 0], ready,
-                                        as_box(do_smem.index(slot), do_desc))
-        tma.async_copy_global_to_shared(delta_desc, [(bh0 + g) * len_q_pad + row], ready, delta_smem.index(slot))
+        if RULES & VARLEN:  # a 1-D box must start 16-byte aligned: the consumers load lse and delta
+            mbarrier.expect(ready, q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, hk * group + g, row, 0], ready,
+                                            as_box(q_smem.index(slot), q_desc))
+            ready = do_ready.index(slot)
+            mbarrier.expect(ready, do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [b, hk * group + g, row, 0], ready,
+                                            as_box(do_smem.index(slot), do_desc))
+        else:
+            mbarrier.expect(ready, q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, hk * group + g, row, 0], ready,
+                                            as_box(q_smem.index(slot), q_desc))
+            tma.async_copy_global_to_shared(lse_desc, [(bh0 + g) * len_q_pad + row], ready, lse_smem.index(slot))
+            ready = do_ready.index(slot)
+            mbarrier.expect(ready, do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [b, hk * group + g, row, 0], ready,
+                                            as_box(do_smem.index(slot), do_desc))
+            tma.async_copy_global_to_shared(delta_desc, [(bh0 + g) * len_q_pad + row], ready, delta_smem.index(slot))
 
 
 @gluon.jit
@@ -340,8 +473,8 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
         SLOTS: gl.constexpr = staged.shape[0]
         COLS: gl.constexpr = dq_smem.shape[2]
         ORDERED: gl.constexpr = SEM is not None
-        b, hk, n0, lo, _, tiles, start = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k,
-                                                         group, BLOCK_M, CAUSAL, ROTATE)
+        b, hk, n0, lo, _, tiles, start, _ = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k,
+                                                            group, 0, 0.0, BLOCK_M, CAUSAL, ROTATE, 0)
         row_tiles = gl.cdiv(len_q, BLOCK_M)
         for j in range(group * tiles):
             t = sweep_tile(j, lo, tiles, start, ROTATE)
@@ -395,9 +528,11 @@ def add_dq(dq_parts, dv_tok, dk_tok, p_op, ds_op, empty, j, FIRST_COL: gl.conste
 @gluon.jit
 def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagonal, t, j, full, scale_log2,
               s_layout: gl.constexpr, op_layout: gl.constexpr, CAUSAL: gl.constexpr, IN_REGISTERS: gl.constexpr,
-              dq_parts, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr, ALTERNATE_DQ: gl.constexpr):
+              dq_parts, HALF: gl.constexpr, ATOMIC_DQ: gl.constexpr, ALTERNATE_DQ: gl.constexpr, keys,
+              RULES: gl.constexpr):
     """One query tile t (ring slot of step j) into keys [first, first + 64) of (dk, dv); tiles t < full
-    are masked (causal diagonal = first - (Nk - Nq)). Returns (dk, dv, k, v).
+    are masked (causal diagonal = first - (Nk - Nq)); with RULES, `key_block_probabilities` (keys: its
+    `key_block_rules`). Returns (dk, dv, k, v).
 
     ATOMIC_DQ: also stage this step's scale * dS K for the writer warp, which adds it into the float32
     dQ: this warpgroup's column half, or with ALTERNATE_DQ the whole tile on its turns (j % 2 == HALF);
@@ -417,25 +552,36 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
     q = q_smem.index(slot)
     do = do_smem.index(slot)
     s_tok, dp_tok = issue_s_and_dp(k, q, v, do, q_ready, do_ready, j, STAGES, s_layout)
-    lse2 = lse_smem.index(slot).load(col_layout)
+    if RULES & VARLEN:
+        lse2, delta = sequence_stats(t, keys, BLOCK_M, col_layout)
+    else:
+        lse2 = lse_smem.index(slot).load(col_layout)
     if IN_REGISTERS:
         s, k = warpgroup_mma_wait(1, deps=(s_tok, k))
     else:
         s = warpgroup_mma_wait(1, deps=(s_tok,))
-    p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 0))
-    if CAUSAL:
-        if t < full:  # key n is seen by query m iff n - (Nk - Nq) - t * BLOCK_M <= m - t * BLOCK_M
-            rows = gl.arange(0, ROWS_, layout=gl.SliceLayout(1, s_layout))
-            seen = (gl.expand_dims(rows + (diagonal - t * BLOCK_M), 1)
-                    <= gl.expand_dims(gl.arange(0, BLOCK_M, layout=col_layout), 0))
-            p = gl.where(seen, p, 0.0)
-    delta = delta_smem.index(slot).load(col_layout)
+    if RULES == 0:
+        p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 0))
+        if CAUSAL:
+            if t < full:  # key n is seen by query m iff n - (Nk - Nq) - t * BLOCK_M <= m - t * BLOCK_M
+                rows = gl.arange(0, ROWS_, layout=gl.SliceLayout(1, s_layout))
+                seen = (gl.expand_dims(rows + (diagonal - t * BLOCK_M), 1)
+                        <= gl.expand_dims(gl.arange(0, BLOCK_M, layout=col_layout), 0))
+                p = gl.where(seen, p, 0.0)
+    else:  # P^T to its operand now, and P^T times the softcap's derivative kept for dS^T
+        p, slope_of_cap = key_block_probabilities(s, lse2, t, keys, scale_log2, CAUSAL, RULES)
+        p_op = gl.convert_layout(p.to(q.dtype), op_layout)
+        if RULES & SOFTCAP:
+            p = p * slope_of_cap
+    if (RULES & VARLEN) == 0:
+        delta = delta_smem.index(slot).load(col_layout)
     if IN_REGISTERS:
         dp, v = warpgroup_mma_wait(0, deps=(dp_tok, v))
     else:
         dp = warpgroup_mma_wait(0, deps=(dp_tok,))
     ds = (p * (dp - gl.expand_dims(delta, 0))).to(q.dtype)
-    p_op = gl.convert_layout(p.to(q.dtype), op_layout)
+    if RULES == 0:
+        p_op = gl.convert_layout(p.to(q.dtype), op_layout)
     ds_op = gl.convert_layout(ds, op_layout)
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
     dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
@@ -456,6 +602,59 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
 
 
 @gluon.jit
+def sequence_stats(t, keys, BLOCK_M: gl.constexpr, col_layout: gl.constexpr):
+    """(lse2, delta) of query tile t of a packed sequence, from global memory (`row_stats`; +inf and 0
+    past the sequence). keys: as `key_block_probabilities` takes them, with the stats' row base."""
+    ctx, _, stats_at = keys
+    at, LSE2, DELTA = stats_at
+    rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
+    inside = rows < ctx[LEN_Q]
+    return (gl.load(LSE2 + at + rows, mask=inside, other=float("inf")),
+            gl.load(DELTA + at + rows, mask=inside, other=0.0))
+
+
+@gluon.jit
+def key_block_rules(rules, b, first, len_q, len_k, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                    RULES: gl.constexpr):
+    """What `key_block_probabilities` needs of keys [first, first + 64) of batch entry b, besides the
+    query head's context: (key positions, their segment ids and id range, first, the query ids and their
+    stride, the query tiles' id ranges)."""
+    keys = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    SEG_K, seg_k_sb, seg_k_sn = rules[10], rules[11], rules[12]
+    key_ids, key_id_range = position_segments(keys, len_k, SEG_K + b * seg_k_sb, seg_k_sn, RULES)
+    SEG_Q, seg_q_sb, seg_q_sn = rules[7], rules[8], rules[9]
+    QUERY_TILE_IDS = rules[14] + b * gl.cdiv(len_q, BLOCK_M) * 2
+    return keys, key_ids, key_id_range, first, SEG_Q + b * seg_q_sb, seg_q_sn, QUERY_TILE_IDS
+
+
+@gluon.jit
+def key_block_probabilities(s, lse2, t, keys, scale_log2, CAUSAL: gl.constexpr, RULES: gl.constexpr):
+    """P^T (keys by queries, from raw S^T) of query tile t under the rules (`rule_probabilities`), 0 where
+    `allowed_pairs` says no unless the whole tile is allowed; and the softcap's derivative. keys: the
+    query head's context (`work_context`) and `key_block_rules`."""
+    ctx, key_state, _ = keys
+    positions, key_ids, key_id_range, first, Q_IDS, q_ids_stride, QUERY_TILE_IDS = key_state
+    BLOCK_M: gl.constexpr = s.shape[1]
+    queries = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout))
+    q_pos = gl.expand_dims(queries, 0)
+    k_pos = gl.expand_dims(positions, 1)
+    p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 0), q_pos, k_pos, ctx, scale_log2, RULES)
+    q_id_range = (0, 0)
+    if RULES & SEGMENTS:
+        q_id_range = (gl.load(QUERY_TILE_IDS + t * 2), gl.load(QUERY_TILE_IDS + t * 2 + 1))
+    if all_allowed(t * BLOCK_M, first, BLOCK_M, ROWS, ctx, q_id_range, key_id_range, CAUSAL, RULES) == 0:
+        q_ids = queries
+        if RULES & SEGMENTS:
+            q_ids = gl.load(Q_IDS + queries * q_ids_stride, mask=queries < ctx[LEN_Q], other=0)
+        allowed = allowed_pairs(q_pos, k_pos, gl.expand_dims(q_ids, 0), gl.expand_dims(key_ids, 1), ctx, CAUSAL,
+                                RULES)
+        if RULES & VARLEN:  # the tile's rows past the sequence are the next one's
+            allowed = allowed & (q_pos < ctx[LEN_Q])
+        p = gl.where(allowed, p, 0.0)
+    return p, slope_of_cap
+
+
+@gluon.jit
 def resident_operand(smem, acc_layout: gl.constexpr, IN_REGISTERS: gl.constexpr):
     """A resident [64, D] tile as the A operand of a wgmma with accumulator layout `acc_layout`:
     the shared-memory tile itself, or (IN_REGISTERS) its registers."""
@@ -470,7 +669,7 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
                            DK, DV, dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
                            len_q, len_k, group, scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
                            IN_REGISTERS: gl.constexpr, dq_parts, ATOMIC_DQ: gl.constexpr, ROTATE: gl.constexpr,
-                           ALTERNATE_DQ: gl.constexpr):
+                           ALTERNATE_DQ: gl.constexpr, rules, len_q_pad, LSE2, DELTA, RULES: gl.constexpr):
     """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV, by TMA
     through its K and V tiles if dk_desc is not None (and with ATOMIC_DQ stages their share of dQ,
     see `dkdv_step`)."""
@@ -480,9 +679,12 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    _, _, n0, lo, full, tiles, start = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group,
-                                                       BLOCK_M, CAUSAL, ROTATE)
+    b, hk, n0, lo, full, tiles, start, _ = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k,
+                                                           group, rules, scale_log2, BLOCK_M, CAUSAL, ROTATE, RULES)
     first = n0 + half * ROWS
+    key_state = 0
+    if RULES != 0:
+        key_state = key_block_rules(rules, b, first, len_q, len_k, s_layout, BLOCK_M, RULES)
     dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
@@ -490,20 +692,34 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     v = resident_operand(v_smem.index(half), s_layout, IN_REGISTERS)
     for j in range(group * tiles):
         t = sweep_tile(j, lo, tiles, start, ROTATE)
+        keys = 0
+        if RULES != 0:  # the query head's context: its ALiBi slope
+            head = hk * group + j // tiles
+            ctx = work_context(rules, b, head, len_q, len_k, scale_log2, RULES)
+            stats_at = 0
+            if RULES & VARLEN:  # the sequence's rows of `row_stats`
+                stats_at = (head.to(gl.int64) * len_q_pad + ctx[Q_START], LSE2, DELTA)
+            keys = (ctx, key_state, stats_at)
         dk, dv, k, v = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv,
                                  first - (len_k - len_q), t, j, full, scale_log2, s_layout, op_layout, CAUSAL,
-                                 IN_REGISTERS, dq_parts, half, ATOMIC_DQ, ALTERNATE_DQ)
+                                 IN_REGISTERS, dq_parts, half, ATOMIC_DQ, ALTERNATE_DQ, keys, RULES)
     bhk, n0 = key_block_of(program_id_again(), num_col_tiles, heads_per_group, CAUSAL)
     first = n0 + half * ROWS
     heads_k = heads_q // group
     b = bhk // heads_k
     hk = bhk % heads_k
     if dk_desc is None:
-        store_rows(DK + b.to(gl.int64) * dk_strides[0] + hk.to(gl.int64) * dk_strides[1], dk_strides[2],
-                   dk_strides[3], dk * scale, first, len_k, ACCUMULATE)
-        store_rows(DV + b.to(gl.int64) * dv_strides[0] + hk.to(gl.int64) * dv_strides[1], dv_strides[2],
-                   dv_strides[3], dv, first, len_k, ACCUMULATE)
-    else:  # through this warpgroup's K and V tiles
+        dk_at = DK + b.to(gl.int64) * dk_strides[0] + hk.to(gl.int64) * dk_strides[1]
+        dv_at = DV + b.to(gl.int64) * dv_strides[0] + hk.to(gl.int64) * dv_strides[1]
+        keys = len_k
+        if RULES & VARLEN:  # the sequence's rows of the packed (1, Hk, total_k, D) views
+            ctx = work_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
+            keys = ctx[LEN_K]
+            dk_at = DK + hk.to(gl.int64) * dk_strides[1] + ctx[K_START].to(gl.int64) * dk_strides[2]
+            dv_at = DV + hk.to(gl.int64) * dv_strides[1] + ctx[K_START].to(gl.int64) * dv_strides[2]
+        store_rows(dk_at, dk_strides[2], dk_strides[3], dk * scale, first, keys, ACCUMULATE)
+        store_rows(dv_at, dv_strides[2], dv_strides[3], dv, first, keys, ACCUMULATE)
+    else:  # through this warpgroup's K and V tiles (not packed: a box would reach the next sequence)
         store_tile(dv_desc, v_smem.index(half), dv, [b, hk, first, 0])
         if ATOMIC_DQ:  # the other warpgroup's dQ wgmmas read this K tile too
             k_free = dq_parts[7]
@@ -516,9 +732,11 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
 @gluon.jit
 def gluon_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides, dk_desc, dv_desc,
-    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM, scale_log2, scale,
+    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM, LSE2, DELTA,
+    scale_log2, scale, left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn,
+    SEG_K, seg_k_sb, seg_k_sn, QUERY_TILES, QUERY_TILE_IDS, CU_Q, CU_K,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
-    DQ_SLOTS: gl.constexpr, ROTATE: gl.constexpr, ALTERNATE_DQ: gl.constexpr,
+    DQ_SLOTS: gl.constexpr, ROTATE: gl.constexpr, ALTERNATE_DQ: gl.constexpr, RULES: gl.constexpr,
 ):
     """Grid: (num_col_tiles * B * Hk,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
     [1, 1, BLOCK_M, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, 64, D] boxes; dq_desc: None, or
@@ -535,13 +753,22 @@ def gluon_dkdv_kernel(
     dK and dV with k_desc's boxes. lse_desc, delta_desc (`stats_descriptor`): contiguous
     (B * Hq, len_q_pad) float32 (len_q_pad: Nq rounded up to BLOCK_M, so a 1-D box never exceeds the
     tensor, B * Hq * len_q_pad < 2**31): lse * log2(e) with +inf where lse = -inf and in the padding;
-    rowsum(O * dO), 0 in the padding.
+    rowsum(O * dO), 0 in the padding; LSE2, DELTA: the same tensors, which packed sequences (VARLEN)
+    read directly (their rows start anywhere, a 1-D TMA box only 16-byte aligned).
+
+    RULES (`rule_bits`; not with dq_desc): the score rules, windows and packing of `gluon_forward_kernel`,
+    whose arguments these are, except the segment-id tables: QUERY_TILES (B, Nk / 128, 2), each key
+    block's query tiles [lo, hi) by segment ids, and QUERY_TILE_IDS (B, Nq / BLOCK_M, 2), each query
+    tile's least and greatest id (`backward_rule_arguments`). Packed: the tensors are (1, H, total, d)
+    views, dK and dV stored from registers (DK, DV).
     """
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
     stat_layout: gl.constexpr = lse_desc.layout
+    rules = (left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K,
+             seg_k_sb, seg_k_sn, QUERY_TILES, QUERY_TILE_IDS, CU_Q, CU_K)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], tile_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], tile_layout)
@@ -585,14 +812,14 @@ def gluon_dkdv_kernel(
         (dkdv_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
                                   len_q, len_k, group, scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts,
-                                  ATOMIC_DQ, ROTATE, ALTERNATE_DQ)),
+                                  ATOMIC_DQ, ROTATE, ALTERNATE_DQ, rules, len_q_pad, LSE2, DELTA, RULES)),
         (dkdv_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
                                   len_q, len_k, group, scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts,
-                                  ATOMIC_DQ, ROTATE, ALTERNATE_DQ)),
+                                  ATOMIC_DQ, ROTATE, ALTERNATE_DQ, rules, len_q_pad, LSE2, DELTA, RULES)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
-                               len_q_pad, len_k, group, CAUSAL, ROTATE)),
+                               len_q_pad, len_k, group, rules, scale_log2, CAUSAL, ROTATE, RULES)),
         (dq_writer_partition, (dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, len_q, len_k, group, BLOCK_M,
                                CAUSAL, ATOMIC_DQ, ROTATE)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
@@ -602,40 +829,73 @@ def gluon_dkdv_kernel(
 
 
 @gluon.jit
-def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k, scale_log2,
-            s_layout: gl.constexpr, op_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key tile j (ring slot j % STAGES) into dq; MASK: the causal diagonal or the ragged last tile.
+def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, r, len_q, len_k, scale_log2,
+            s_layout: gl.constexpr, op_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, row_rules,
+            RULES: gl.constexpr):
+    """Key tile j (ring position r, slot r % STAGES) into dq; MASK: the causal diagonal or the ragged last
+    tile; with RULES, `row_block_probabilities` (row_rules: its `rows`).
 
     q, do: this warpgroup's rows, as shared-memory tiles or as register operands.
     """
     q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    k = k_smem.index(j % STAGES)
-    v = v_smem.index(j % STAGES)
-    s_tok, dp_tok = issue_s_and_dp(q, k, do, v, k_ready, v_ready, j, STAGES, s_layout)
+    k = k_smem.index(r % STAGES)
+    v = v_smem.index(r % STAGES)
+    s_tok, dp_tok = issue_s_and_dp(q, k, do, v, k_ready, v_ready, r, STAGES, s_layout)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
-    p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
-    if MASK:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if CAUSAL:
-            last_col = gl.minimum(rows + (len_k - len_q), len_k - 1)
-            p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1), p, 0.0)
-        else:
-            p = gl.where(gl.expand_dims(cols < len_k, 0), p, 0.0)
+    if RULES == 0:
+        p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
+        if MASK:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            if CAUSAL:
+                last_col = gl.minimum(rows + (len_k - len_q), len_k - 1)
+                p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1), p, 0.0)
+            else:
+                p = gl.where(gl.expand_dims(cols < len_k, 0), p, 0.0)
+    else:  # P times the softcap's derivative: all dS needs of P
+        p, slope_of_cap = row_block_probabilities(s, lse2, rows, j, row_rules, scale_log2, CAUSAL, RULES)
+        if RULES & SOFTCAP:
+            p = p * slope_of_cap
     dp = warpgroup_mma_wait(0, deps=(dp_tok,))
-    release(v_empty, j, STAGES)
+    release(v_empty, r, STAGES)
     ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(k.dtype), op_layout)
     dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
     dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
-    release(k_empty, j, STAGES)
+    release(k_empty, r, STAGES)
     return dq
+
+
+@gluon.jit
+def row_block_probabilities(s, lse2, rows, tile, row_rules, scale_log2, CAUSAL: gl.constexpr, RULES: gl.constexpr):
+    """P of `rows` and key tile `tile` (from raw S) under the rules (`rule_probabilities`), 0 where
+    `allowed_pairs` says no unless the whole tile is allowed; and the softcap's derivative. row_rules: the
+    context (`work_context`), the rows' segment ids, their (least, greatest), the first row."""
+    ctx, row_ids, row_id_range, first = row_rules
+    BLOCK_N: gl.constexpr = s.shape[1]
+    keys = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    q_pos = gl.expand_dims(rows, 1)
+    k_pos = gl.expand_dims(keys, 0)
+    p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 1), q_pos, k_pos, ctx, scale_log2, RULES)
+    key_id_range = (0, 0)
+    if RULES & SEGMENTS:  # the ids of the KEY_TILE keys around the tile
+        at = ctx[KEY_TILE_IDS] + tile * BLOCK_N // KEY_TILE * 2
+        key_id_range = (gl.load(at), gl.load(at + 1))
+    if all_allowed(first, tile * BLOCK_N, ROWS, BLOCK_N, ctx, row_id_range, key_id_range, CAUSAL, RULES) == 0:
+        key_ids = keys
+        if RULES & SEGMENTS:
+            key_ids = gl.load(ctx[KEY_IDS] + keys * ctx[KEY_IDS_STRIDE], mask=keys < ctx[LEN_K], other=0)
+        allowed = allowed_pairs(q_pos, k_pos, gl.expand_dims(row_ids, 1), gl.expand_dims(key_ids, 0), ctx, CAUSAL,
+                                RULES)
+        p = gl.where(allowed, p, 0.0)
+    return p, slope_of_cap
 
 
 @gluon.jit
 def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2,
                          DELTA, DQ, dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k,
-                         scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr):
+                         scale_log2, scale, rules, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
+                         IN_REGISTERS: gl.constexpr, RULES: gl.constexpr):
     """Consumer warpgroup `half`: rows m0 + 64*half + [0, 64); loads its dO half, writes its dQ rows."""
     q_bar = bars[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -643,44 +903,101 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    b, heads, _, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, 1, heads_per_group, len_q, 2 * ROWS, CAUSAL)
-    bh = b * heads_q + heads
+    b, heads, _, m0, ctx, place = dq_work(rules, num_row_tiles, heads_q, 1, heads_per_group, len_q, len_k,
+                                          scale_log2, CAUSAL, RULES)
+    coord_b, q_start, _ = place
+    rows_q = len_q
+    if RULES & VARLEN:
+        rows_q = ctx[LEN_Q]
+    bh = coord_b * heads_q + heads
     first = m0 + half * ROWS
     mbarrier.expect(do_bar.index(half), do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(do_desc, [b, heads, gl.maximum(first, 0), 0], do_bar.index(half),
+    tma.async_copy_global_to_shared(do_desc, [coord_b, heads, q_start + gl.maximum(first, 0), 0], do_bar.index(half),
                                     as_box(do_smem.index(half), do_desc))
     rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    inside = (rows >= 0) & (rows < len_q)
-    lse2 = gl.load(LSE2 + (bh.to(gl.int64) * len_q_pad + rows), mask=inside, other=float("inf"))
-    delta = gl.load(DELTA + (bh.to(gl.int64) * len_q_pad + rows), mask=inside, other=0.0)
-    num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
+    inside = (rows >= 0) & (rows < rows_q)
+    lse2 = gl.load(LSE2 + (bh.to(gl.int64) * len_q_pad + q_start + rows), mask=inside, other=float("inf"))
+    delta = gl.load(DELTA + (bh.to(gl.int64) * len_q_pad + q_start + rows), mask=inside, other=0.0)
+    lo = 0
+    row_rules = 0
+    if RULES == 0:
+        num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
+    else:
+        lo, num_tiles, _, _ = key_range(m0, ctx, BLOCK_N, CAUSAL, RULES, 2 * ROWS)
+        row_ids, row_id_range = row_segments(rows, ctx, rules, b, RULES)
+        row_rules = (ctx, row_ids, row_id_range, first)
     dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(do_bar.index(half), 0)
     q = resident_operand(q_smem.index(half), s_layout, IN_REGISTERS)
     do = resident_operand(do_smem.index(half), s_layout, IN_REGISTERS)
-    for j in range(full_tiles):
-        dq = dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k, scale_log2,
-                     s_layout, op_layout, False, CAUSAL)
-    for j in range(full_tiles, num_tiles):
-        dq = dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, len_q, len_k, scale_log2,
-                     s_layout, op_layout, True, CAUSAL)
-    store_rows(DQ + b.to(gl.int64) * dq_strides[0] + heads.to(gl.int64) * dq_strides[1], dq_strides[2],
-               dq_strides[3], dq * scale, first, len_q, ACCUMULATE)
+    if RULES == 0:
+        for j in range(full_tiles):
+            dq = dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, j, len_q, len_k, scale_log2,
+                         s_layout, op_layout, False, CAUSAL, row_rules, RULES)
+        for j in range(full_tiles, num_tiles):
+            dq = dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, j, len_q, len_k, scale_log2,
+                         s_layout, op_layout, True, CAUSAL, row_rules, RULES)
+    else:  # one loop; each tile decides whether it masks
+        for j in range(lo, num_tiles):
+            dq = dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, j - lo, len_q, len_k, scale_log2,
+                         s_layout, op_layout, True, CAUSAL, row_rules, RULES)
+    dq_at = DQ + coord_b.to(gl.int64) * dq_strides[0] + heads.to(gl.int64) * dq_strides[1]
+    if RULES & VARLEN:
+        dq_at += q_start.to(gl.int64) * dq_strides[2]
+    store_rows(dq_at, dq_strides[2], dq_strides[3], dq * scale, first, rows_q, ACCUMULATE)
+
+
+@gluon.jit
+def dq_work(rules, num_row_tiles, heads_q, group, heads_per_group, len_q, len_k, scale_log2, CAUSAL: gl.constexpr,
+            RULES: gl.constexpr):
+    """(b, h, hk, m0, ctx, place) of this dQ program: rows [m0, m0 + 128) of (b, h) (`tile_of`; packed: the
+    sequence's rows), the context (`work_context`, 0 without RULES) and `sequence_place`."""
+    if RULES == 0:
+        b, h, hk, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, group, heads_per_group, len_q, 2 * ROWS,
+                               CAUSAL)
+        ctx = 0
+        place = (b, 0, 0)
+    else:
+        b, h, hk, tile_m = work_tile(gl.program_id(0), num_row_tiles, heads_q, group, heads_per_group, CAUSAL)
+        ctx = work_context(rules, b, h, len_q, len_k, scale_log2, RULES)
+        m0 = first_row(tile_m, num_row_tiles, ctx[LEN_Q], 2 * ROWS, CAUSAL)
+        place = sequence_place(b, ctx, RULES)
+    return b, h, hk, m0, ctx, place
+
+
+@gluon.jit
+def dq_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, place, h, hk, m0, first_tile,
+                      num_tiles):
+    """Producer warp of one row block: Q rows m0 + [0, 128) of (b, h) once, then K/V tiles first_tile + j,
+    j < num_tiles, of (b, hk) through the ring (place: `sequence_place`)."""
+    q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
+    b, q_start, k_start = place
+    load_q(q_desc, q_smem, 0, q_bar, b, h, m0, q_smem.shape[0], q_start)
+    load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, 0, num_tiles, first_tile,
+                 k_start)
 
 
 @gluon.jit
 def gluon_dq_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, dq_strides,
     heads_q, group, len_q, len_q_pad, len_k, num_row_tiles, heads_per_group, scale_log2, scale,
+    left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K, seg_k_sb,
+    seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
+    RULES: gl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
     [1, 1, 64, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, BLOCK_N, D] boxes.
 
     DQ: (B, Hq, Nq, D) in q's dtype, or float32 with ACCUMULATE. LSE2, DELTA as for `gluon_dkdv_kernel`.
+    RULES and the arguments from `left`: those of `gluon_forward_kernel` (the key tiles are its
+    `key_range`).
     """
-    b, h, hk, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, group, heads_per_group, len_q, 2 * ROWS, CAUSAL)
+    rules = (left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K,
+             seg_k_sb, seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K)
+    _, h, hk, m0, ctx, place = dq_work(rules, num_row_tiles, heads_q, group, heads_per_group, len_q, len_k,
+                                       scale_log2, CAUSAL, RULES)
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -707,17 +1024,21 @@ def gluon_dq_kernel(
         mbarrier.init(v_empty.index(i), count=2)
     bars = (q_bar, k_ready, k_empty, v_ready, v_empty, q_bar)  # the forward's tuple; no ping-pong barriers
 
-    num_tiles, _ = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
+    if RULES == 0:
+        lo = 0
+        hi, _ = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
+    else:
+        lo, hi, _, _ = key_range(m0, ctx, BLOCK_N, CAUSAL, RULES, 2 * ROWS)
     # Arguments written out in each tuple: a tuple bound to a name would turn the constexprs
     # into run-time values inside the partitions.
     gl.warp_specialize([
         (dq_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
                                 dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k,
-                                scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS)),
+                                scale_log2, scale, rules, CAUSAL, ACCUMULATE, IN_REGISTERS, RULES)),
         (dq_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
                                 dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k,
-                                scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS)),
-        (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles)),
+                                scale_log2, scale, rules, CAUSAL, ACCUMULATE, IN_REGISTERS, RULES)),
+        (dq_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, place, h, hk, m0, lo, hi - lo)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -727,18 +1048,22 @@ MAX_STATS = 2**31 - 1
 
 
 def gluon_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, params: AttentionParams,
-                            dout: torch.Tensor | None = None, atomic_dq: bool = False) -> list[str]:
+                            dout: torch.Tensor | None = None, atomic_dq: bool = False, rules=None,
+                            packing=None) -> list[str]:
     """Every reason `gluon_backward` cannot serve these inputs (empty if it can): those of the
-    Gluon forward (`gluon_supports`), a window other than full or causal, dout's strides, batch / head dims broadcast with stride 0,
-    lse rows beyond 32-bit TMA coordinates, and (atomic_dq) a head dim without that variant."""
-    reasons = gluon_supports(q, k, v, mask, params)
-    if params.window not in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
-        reasons.append(f"window={params.window} is not supported (full attention or causal only)")
+    Gluon forward (`gluon_supports`), dout's strides, batch / head dims broadcast with stride 0,
+    lse rows beyond 32-bit TMA coordinates, and (atomic_dq) a head dim without that variant, or score
+    rules, a window other than full or causal or packing (`backward_rule_bits`: those take the dQ kernel)."""
+    reasons = gluon_supports(q, k, v, mask, params, rules, packing)
     if atomic_dq and q.shape[-1] not in ATOMIC_CONFIGS:
         reasons.append(f"atomic_dq: D={q.shape[-1]}, the variant exists for D in {tuple(ATOMIC_CONFIGS)}")
+    if atomic_dq and backward_rule_bits(params, rules, packing):
+        reasons.append(f"atomic_dq: not with score rules, packing or window={params.window} (full or causal only)")
     if dout is not None and (dout.shape != q.shape or not tma_compatible(dout)):
         reasons.append(f"dout (shape {tuple(dout.shape)}, strides {dout.stride()}) must have q's shape "
                        "and TMA-compatible strides")
+    if packing is not None:
+        q, dout = (None if x is None else packed_view(x) for x in (q, dout))
     reasons += broadcast_reasons(dout=dout)
     rows = q.shape[0] * q.shape[1] * padded_rows(q.shape[2], CONFIGS.get(q.shape[-1], CONFIGS[128]))
     if rows > MAX_STATS:
@@ -750,21 +1075,53 @@ def padded_rows(len_q: int, cfg: GluonBackwardConfig) -> int:
     return ceil_div(len_q, cfg.dkdv_block_m) * cfg.dkdv_block_m
 
 
-def gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into=None, atomic_dq=False):
+def gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into=None, atomic_dq=False,
+                   rules=None, packing=None):
     """dq, dk, dv (in q, k, v's dtypes) for attention(q, k, v) with saved out and lse (B, Hq, Nq),
     natural log; with `accumulate_into` (float32 dq, dk, dv, any strides) added into those and returned.
-    atomic_dq: the dK/dV kernel adds dQ with TMA reductions (no dQ kernel; not bitwise reproducible)."""
-    reasons = gluon_backward_supports(q, k, v, None, params, dout, atomic_dq)
+    atomic_dq: the dK/dV kernel adds dQ with TMA reductions (no dQ kernel; not bitwise reproducible).
+    rules: a `ScoreRules` (None: none); the sinks' gradient is the caller's (`exattn.masks.sinks_grad`).
+    packing (`passes.Packing`, not with accumulate_into): token-major (total, H, d) tensors and lse
+    (Hq, total_q), as `attention_varlen` has them."""
+    reasons = gluon_backward_supports(q, k, v, None, params, dout, atomic_dq, rules, packing)
+    if packing is not None and accumulate_into is not None:
+        reasons.append("accumulate_into with packing is not supported")
     if reasons:
         raise ValueError("gluon_backward cannot serve these inputs: " + "; ".join(reasons))
-    return run_gluon_backward(dout, q, k, v, out, lse, params, accumulate_into, atomic_dq)
+    return run_gluon_backward(dout, q, k, v, out, lse, params, accumulate_into, atomic_dq, rules, packing)
 
 
-def run_gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into=None, atomic_dq=False):
+def run_gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into=None, atomic_dq=False,
+                       rules=None, packing=None):
     """`gluon_backward` for inputs already checked with `gluon_backward_supports`."""
     accumulate_into = check_accumulators(accumulate_into, q, k, v)
     with on_device(q):
-        return launch(dout, q, k, v, out, lse, params, accumulate_into, atomic_dq)
+        if packing is None:
+            return launch(dout, q, k, v, out, lse, params, accumulate_into, atomic_dq, rules)
+        grads = tuple(torch.empty_like(x) for x in (q, k, v))
+        views = (packed_view(x) for x in (dout, q, k, v, out))
+        launch(*views, lse[None], params, None, False, rules, packing, tuple(packed_view(g) for g in grads))
+        return grads
+
+
+def backward_rule_bits(params: AttentionParams, rules, packing=None) -> int:
+    """The kernels' RULES (`rule_bits`) less the sinks, which reach the backward through lse alone."""
+    return rule_bits(params, rules, packing) & ~SINKS.value
+
+
+def backward_rule_arguments(q: torch.Tensor, k: torch.Tensor, params: AttentionParams, rules,
+                            cfg: GluonBackwardConfig, packing=None) -> tuple[tuple, tuple]:
+    """The arguments from `left` on of the dK/dV kernel and of the dQ kernel: the forward's
+    (`rule_arguments`) less the sinks, the dK/dV kernel with its own segment-id tables (each 128-key
+    block's query tiles, each query tile's id range)."""
+    forward = rule_arguments(q, k, params, rules, packing)
+    dq_rules = forward[:6] + forward[7:]
+    if rules is None or rules.q_segment_ids is None:
+        return dq_rules, dq_rules
+    q_ids, k_ids = rules.q_segment_ids, rules.k_segment_ids
+    tables = (segment_tile_ranges(k_ids, q_ids, KEY_TILE.value, cfg.dkdv_block_m),
+              tile_id_ranges(q_ids, cfg.dkdv_block_m))
+    return dq_rules[:13] + tables + dq_rules[15:], dq_rules
 
 
 @triton.jit
@@ -822,12 +1179,15 @@ def stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: GluonBackwardConfig, causal: bool,
                    dq_sum: torch.Tensor | None = None, semaphores: torch.Tensor | None = None,
-                   accumulate: bool = False) -> tuple:
+                   accumulate: bool = False, sizes: tuple[int, int, int] | None = None) -> tuple:
     """Positional arguments of `gluon_dkdv_kernel` before scale_log2, and its grid; dq_sum: the
     float32 dQ the kernel adds into (atomic_dq, or ordered with `semaphores`), or None; accumulate:
-    dk and dv are float32 accumulators to add into (`grad_outputs`)."""
+    dk and dv are float32 accumulators to add into (`grad_outputs`); sizes: (B, max Nq, max Nk) of packed
+    sequences, whose (1, H, total, d) views the tensors are (their dK and dV are stored from registers)."""
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
+    if sizes is not None:
+        batch, len_q, len_k = sizes
     col_tiles = ceil_div(len_k, 2 * ROWS.value)
     order = 1
     if causal:  # per K/V head: its group's Q and dO rows
@@ -838,11 +1198,12 @@ def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: Gluo
             order = max(1, schedule.resident_heads_per_group(order, batch * heads_k, col_tiles,
                                                              resident_programs(q.device)))
     dq_desc = None if dq_sum is None else tile_descriptor(dq_sum, cfg.dkdv_block_m, dim // 2)
-    grads = grad_outputs(dk, dv, accumulate, len_q * (heads_q // heads_k))
+    grads = grad_outputs(dk, dv, accumulate or sizes is not None, len_q * (heads_q // heads_k))
     args = (tile_descriptor(q, cfg.dkdv_block_m), tile_descriptor(dout, cfg.dkdv_block_m),
             tile_descriptor(k, ROWS.value), tile_descriptor(v, ROWS.value),
             stats_descriptor(lse2, cfg.dkdv_block_m), stats_descriptor(delta, cfg.dkdv_block_m),
-            *grads, heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles, order, dq_desc, semaphores)
+            *grads, heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles, order, dq_desc, semaphores, lse2,
+            delta)
     return args, grid_of(col_tiles, batch * heads_k)
 
 
@@ -897,10 +1258,13 @@ def ordered_dq_fits(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     return ceil_div(len_q, ATOMIC_CONFIGS[q.shape[-1]].dkdv_block_m) >= key_blocks
 
 
-def dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad: int, cfg: GluonBackwardConfig, causal: bool) -> tuple:
-    """Positional arguments of `gluon_dq_kernel` before scale_log2, and its grid."""
+def dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad: int, cfg: GluonBackwardConfig, causal: bool,
+                 sizes: tuple[int, int, int] | None = None) -> tuple:
+    """Positional arguments of `gluon_dq_kernel` before scale_log2, and its grid (sizes: as `dkdv_arguments`)."""
     batch, heads_q, len_q, dim = q.shape
     heads_k, len_k = k.shape[1], k.shape[2]
+    if sizes is not None:
+        batch, len_q, len_k = sizes
     row_tiles = ceil_div(len_q, 2 * ROWS.value)
     order = 1
     if causal:  # per query head: its K and V rows
@@ -913,10 +1277,11 @@ def dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad: int, cfg: GluonBackw
     return args, grid_of(row_tiles, batch * heads_q)
 
 
-def kernel_options(cfg: GluonBackwardConfig, causal: bool, accumulate: bool) -> dict:
-    """Constexpr arguments (less STAGES) and launch options shared by both kernels."""
-    return {"CAUSAL": causal, "ACCUMULATE": accumulate, "IN_REGISTERS": cfg.in_registers, "num_warps": 4,
-            "maxnreg": MAXNREG}
+def kernel_options(cfg: GluonBackwardConfig, causal: bool, accumulate: bool, rules: int = 0) -> dict:
+    """Constexpr arguments (less STAGES) and launch options shared by both kernels; rules: RULES
+    (`backward_rule_bits`)."""
+    return {"CAUSAL": causal, "ACCUMULATE": accumulate, "IN_REGISTERS": cfg.in_registers, "RULES": rules,
+            "num_warps": 4, "maxnreg": MAXNREG}
 
 
 def dq_accumulators(path: str, q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, causal: bool, accumulating: bool,
@@ -937,21 +1302,25 @@ def dq_accumulators(path: str, q: torch.Tensor, k: torch.Tensor, dq: torch.Tenso
     return (dq if in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)), None
 
 
-def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, atomic_dq: bool):
+def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, atomic_dq: bool, rules=None,
+           packing=None, grads=None):
+    """The passes over (B, H, N, D) tensors, or with `packing` the (1, H, total, D) views of packed ones
+    (lse (1, Hq, total_q)), writing into `grads` (their views) if given."""
     batch, heads_q, len_q, dim = q.shape
     len_k = k.shape[2]
     if 0 in (batch, heads_q, len_q, len_k):
         if accumulate_into is not None:
             return accumulate_into
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return tuple(x.zero_() for x in grads) if grads else tuple(torch.zeros_like(x) for x in (q, k, v))
     if accumulate_into is not None:
         dq, dk, dv = accumulate_into
     else:
-        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    causal = params.window == (UNBOUNDED, 0)
-    path = dq_path(q, k, causal, atomic_dq, accumulate_into is not None)
+        dq, dk, dv = grads or (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    causal = params.window[1] != UNBOUNDED
+    bits = backward_rule_bits(params, rules, packing)
+    path = "kernel" if bits else dq_path(q, k, causal, atomic_dq, accumulate_into is not None)
     dq_in_dkdv = path != "kernel"
-    cfg = (ATOMIC_CONFIGS if dq_in_dkdv else CONFIGS)[dim]
+    cfg = (RULE_CONFIGS if bits else ATOMIC_CONFIGS if dq_in_dkdv else CONFIGS)[dim]
     len_q_pad = padded_rows(len_q, cfg)
     # semaphores: one per program of row_stats, which zeroes them; the dK/dV kernel uses the first
     # B * Hq * cdiv(Nq, BLOCK_M), one per dQ tile
@@ -959,14 +1328,16 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
                                          len_q_pad // STATS_ROWS)
     lse2, delta = row_stats(lse, out, dout, len_q_pad, semaphores)
     scalars = (params.scale * LOG2E, params.scale)
-    options = kernel_options(cfg, causal, accumulate_into is not None)
+    dkdv_rules, dq_rules = backward_rule_arguments(q, k, params, rules, cfg, packing)
+    options = kernel_options(cfg, causal, accumulate_into is not None, bits)
+    sizes = None if packing is None else (packing.batch, packing.max_q, packing.max_k)
     args, grid = dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad, cfg, causal, dq_sum, semaphores,
-                                accumulate_into is not None)
-    run_kernel(gluon_dkdv_kernel, grid, *args, *scalars, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots,
-                            ALTERNATE_DQ=cfg.alternate_dq, ROTATE=rotated_sweeps(path, causal, len_q, dim), **options)
+                                accumulate_into is not None, sizes)
+    run_kernel(gluon_dkdv_kernel, grid, *args, *scalars, *dkdv_rules, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots,
+               ALTERNATE_DQ=cfg.alternate_dq, ROTATE=rotated_sweeps(path, causal, len_q, dim), **options)
     if not dq_in_dkdv:
-        args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg, options["CAUSAL"])
-        run_kernel(gluon_dq_kernel, grid, *args, *scalars, STAGES=cfg.dq_stages, **options)
+        args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg, causal, sizes)
+        run_kernel(gluon_dq_kernel, grid, *args, *scalars, *dq_rules, STAGES=cfg.dq_stages, **options)
     elif dq_sum is not dq:
         dq.add_(dq_sum) if accumulate_into is not None else dq.copy_(dq_sum)
     return dq, dk, dv

@@ -115,6 +115,7 @@ SINKS: gl.constexpr = gl.constexpr(8)
 PREFIX: gl.constexpr = gl.constexpr(16)
 SEGMENTS: gl.constexpr = gl.constexpr(32)
 VARLEN: gl.constexpr = gl.constexpr(64)
+RIGHT: gl.constexpr = gl.constexpr(128)  # a right bound other than 0 (causal's)
 # Fields of a work tile's context (`work_context`).
 LEN_Q: gl.constexpr = gl.constexpr(0)  # the sequence's query rows
 LEN_K: gl.constexpr = gl.constexpr(1)  # its keys
@@ -199,15 +200,6 @@ def load_q(q_desc, q_smem, first_slot, ready, b, h, m0, BLOCKS: gl.constexpr, st
     for half in gl.static_range(BLOCKS):
         tma.async_copy_global_to_shared(q_desc, [b, h, start + gl.maximum(m0 + half * ROWS, 0), 0], ready,
                                         as_box(q_smem.index(first_slot + half), q_desc))
-
-
-@gluon.jit
-def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, num_tiles):
-    """Producer warp of one row block: Q rows m0 + [0, 64 * q_smem.shape[0]) of (b, h) once, then
-    the K/V ring of (b, hk)."""
-    q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
-    load_q(q_desc, q_smem, 0, q_bar, b, h, m0, q_smem.shape[0])
-    load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, 0, num_tiles)
 
 
 @gluon.jit
@@ -324,8 +316,8 @@ def key_range(m0, ctx, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, RULES: gl.co
     if RULES & SEGMENTS:
         seg_lo, seg_hi = segment_key_range(ctx, gl.minimum(first, len_q - 1), gl.minimum(gl.maximum(last, first),
                                                                                            len_q - 1))
-        lo = gl.maximum(lo, seg_lo)
-        hi = gl.minimum(hi, seg_hi)
+        lo = gl.maximum(lo, seg_lo * (KEY_TILE // BLOCK_N))
+        hi = gl.minimum(hi, seg_hi * (KEY_TILE // BLOCK_N))
     hi = gl.where(first <= last, hi, 0)
     lo = gl.minimum(lo, hi)
     full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
@@ -446,20 +438,29 @@ def key_positions(s, tile):
 
 @gluon.jit
 def modified_scores(s, rows, tile, ctx, RULES: gl.constexpr):
-    """Raw scores after the softcap, then ALiBi (the SPEC's order), in raw units: softcap / scale and
-    slope / scale (`work_context`)."""
-    if RULES & SOFTCAP:
-        s = ctx[CAP] * fast_tanh(s * ctx[INV_CAP])
-    if RULES & ALIBI:
-        distance = gl.expand_dims(rows + (ctx[LEN_K] - ctx[LEN_Q]), 1) - gl.expand_dims(key_positions(s, tile), 0)
-        s = s - ctx[SLOPE] * gl.abs(distance).to(gl.float32)
+    """Raw scores s of key tile `tile` after the softcap, then ALiBi (`rule_scores`)."""
+    s, _ = rule_scores(s, gl.expand_dims(rows, 1), gl.expand_dims(key_positions(s, tile), 0), ctx, RULES)
     return s
 
 
 @gluon.jit
+def rule_scores(s, q_pos, k_pos, ctx, RULES: gl.constexpr):
+    """Raw scores s of queries q_pos and keys k_pos (each broadcast against s, in either orientation) after
+    the softcap, then ALiBi (the SPEC's order), in raw units: softcap / scale and slope / scale
+    (`work_context`); and the softcap's derivative 1 - tanh^2 (1.0 without one)."""
+    slope_of_cap = 1.0
+    if RULES & SOFTCAP:
+        capped = fast_tanh(s * ctx[INV_CAP])
+        s = ctx[CAP] * capped
+        slope_of_cap = 1.0 - capped * capped
+    if RULES & ALIBI:
+        s = s - ctx[SLOPE] * gl.abs(q_pos + (ctx[LEN_K] - ctx[LEN_Q]) - k_pos).to(gl.float32)
+    return s, slope_of_cap
+
+
+@gluon.jit
 def masked_scores(s, rows, tile, ctx, row_ids, CAUSAL: gl.constexpr, RULES: gl.constexpr):
-    """Scores s of key tile `tile`, -inf where rows may not see the key: past len_k, outside the window
-    (bottom-right; CAUSAL: a right bound), unless below the prefix; then unless the segment ids match."""
+    """Scores s of key tile `tile`, -inf where rows may not see the key (`allowed_pairs`)."""
     len_q, len_k = ctx[LEN_Q], ctx[LEN_K]
     keys = key_positions(s, tile)
     cols = gl.expand_dims(keys, 0)
@@ -470,19 +471,30 @@ def masked_scores(s, rows, tile, ctx, row_ids, CAUSAL: gl.constexpr, RULES: gl.c
         else:
             s = gl.where(cols < len_k, s, float("-inf"))
     else:
-        diagonal = gl.expand_dims(rows + (len_k - len_q), 1)
-        allowed = cols < len_k
-        if CAUSAL:
-            allowed = allowed & (cols <= diagonal + ctx[RIGHT_ROWS])
-        if RULES & LEFT:
-            allowed = allowed & (cols >= diagonal - ctx[LEFT_ROWS])
-        if RULES & PREFIX:
-            allowed = allowed | (cols < ctx[PREFIX_KEYS])
+        key_ids = keys
         if RULES & SEGMENTS:
             key_ids = gl.load(ctx[KEY_IDS] + keys * ctx[KEY_IDS_STRIDE], mask=keys < len_k, other=0)
-            allowed = allowed & (gl.expand_dims(row_ids, 1) == gl.expand_dims(key_ids, 0))
+        allowed = allowed_pairs(gl.expand_dims(rows, 1), cols, gl.expand_dims(row_ids, 1),
+                                gl.expand_dims(key_ids, 0), ctx, CAUSAL, RULES)
         s = gl.where(allowed, s, float("-inf"))
     return s
+
+
+@gluon.jit
+def allowed_pairs(q_pos, k_pos, q_ids, k_ids, ctx, CAUSAL: gl.constexpr, RULES: gl.constexpr):
+    """Whether query q_pos may see key k_pos (all broadcast, either orientation): the key exists and lies
+    inside the window (bottom-right; CAUSAL: a right bound) or the prefix, and (SEGMENTS) q_ids = k_ids."""
+    diagonal = q_pos + (ctx[LEN_K] - ctx[LEN_Q])
+    allowed = k_pos < ctx[LEN_K]
+    if CAUSAL:
+        allowed = allowed & (k_pos <= diagonal + ctx[RIGHT_ROWS])
+    if RULES & LEFT:
+        allowed = allowed & (k_pos >= diagonal - ctx[LEFT_ROWS])
+    if RULES & PREFIX:
+        allowed = allowed | (k_pos < ctx[PREFIX_KEYS])
+    if RULES & SEGMENTS:
+        allowed = allowed & (q_ids == k_ids)
+    return allowed
 
 
 @gluon.jit
@@ -554,12 +566,19 @@ def pipelined_step(half: gl.constexpr, q, k_smem, v_smem, bars, s_regs, p, acc, 
 @gluon.jit
 def row_segments(rows, ctx, rules, b, RULES: gl.constexpr):
     """The segment ids of `rows` (SEGMENTS), and their (least, greatest) over the rows that exist."""
-    ids = rows
+    SEG_Q, seg_q_sb, seg_q_sn = rules[7], rules[8], rules[9]
+    return position_segments(rows, ctx[LEN_Q], SEG_Q + b * seg_q_sb, seg_q_sn, RULES)
+
+
+@gluon.jit
+def position_segments(positions, n, IDS, stride, RULES: gl.constexpr):
+    """The segment ids at `positions` of a sequence of n (SEGMENTS; ids at IDS, `stride` apart), and their
+    (least, greatest) over the positions in [0, n)."""
+    ids = positions
     id_range = (0, 0)
     if RULES & SEGMENTS:
-        SEG_Q, seg_q_sb, seg_q_sn = rules[7], rules[8], rules[9]
-        exists = (rows >= 0) & (rows < ctx[LEN_Q])
-        ids = gl.load(SEG_Q + b * seg_q_sb + rows * seg_q_sn, mask=exists, other=0)
+        exists = (positions >= 0) & (positions < n)
+        ids = gl.load(IDS + positions * stride, mask=exists, other=0)
         id_range = (gl.reduce(gl.where(exists, ids, 2147483647), 0, smaller),
                     gl.reduce(gl.where(exists, ids, -2147483647), 0, larger))
     return ids, id_range
@@ -750,7 +769,8 @@ def gluon_forward_kernel(
     num_row_tiles * B * Hq work tiles (`work_tile`; heads_per_group: the causal order's group size).
     Descriptors (`tile_descriptor`): q, o (B, Hq, Nq, D) with [1, 1, 64, D] boxes, k, v (B, Hk, Nk, D)
     with [1, 1, BLOCK_N, D] boxes; o in q's dtype. LSE: (B, Hq, Nq) float32, natural log, rows
-    lse_stride apart. RULES (bits, `rule_bits`): the window's left bound (CAUSAL: a right bound), softcap
+    lse_stride apart. RULES (bits, `rule_bits`): the window's left bound, a right bound other than 0 (CAUSAL:
+    any right bound), softcap
     (raw units: softcap / scale), ALiBi slopes (B, Hq) at ALIBI_PTR, sinks (Hq,), prefix (B,), segment
     ids (B, Nq) and (B, Nk) with their 64-row blocks' key-tile ranges SEG_BLOCKS and key tiles' id
     ranges KEY_IDS (`segment_tables`), and VARLEN: sequence b owns rows CU_Q[b]:CU_Q[b+1] of the
@@ -913,12 +933,15 @@ def launch(q, k, v, params: AttentionParams, rules, packing):
 
 
 def rule_bits(params: AttentionParams, rules, packing) -> int:
-    """The kernel's RULES: a bit for each score rule in use, the window's left bound, and packing."""
-    on = dict(left=params.window[0] != UNBOUNDED, softcap=params.softcap > 0, varlen=packing is not None)
+    """The kernel's RULES: a bit for each score rule in use, the window's left bound, a right bound other
+    than causal's, and packing."""
+    on = dict(left=params.window[0] != UNBOUNDED, right=params.window[1] not in (UNBOUNDED, 0),
+              softcap=params.softcap > 0, varlen=packing is not None)
     if rules is not None:
         on.update(alibi=rules.alibi_slopes is not None, sinks=rules.sinks is not None,
                   prefix=rules.prefix is not None, segments=rules.q_segment_ids is not None)
-    bit = dict(left=LEFT, softcap=SOFTCAP, alibi=ALIBI, sinks=SINKS, prefix=PREFIX, segments=SEGMENTS, varlen=VARLEN)
+    bit = dict(left=LEFT, right=RIGHT, softcap=SOFTCAP, alibi=ALIBI, sinks=SINKS, prefix=PREFIX, segments=SEGMENTS,
+               varlen=VARLEN)
     return sum(bit[name].value for name, is_on in on.items() if is_on)
 
 

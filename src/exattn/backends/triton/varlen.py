@@ -1,6 +1,6 @@
 """The Triton passes over packed variable-length batches (`exattn.attention_varlen`).
 
-The dense kernels serve them with VARLEN set (the Gluon forward with its VARLEN bit): sequence
+The dense kernels serve them with VARLEN set (the Gluon kernels with their VARLEN bit): sequence
 b's programs read its rows from the int32 offsets on the device (no host sync), the grid is sized by
 the longest lengths, and programs past a sequence's end return at once.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...problem import AttentionParams
-from . import GLUON_FORWARD_MIN_LEN, gluon_usable, replay_key, replays
+from . import GLUON_BACKWARD_MIN_LEN, GLUON_FORWARD_MIN_LEN, gluon_backward_faster, gluon_usable, replay_key, replays
 from .passes import Packing, triton_backward, triton_forward
 from .replay import replayable
 
@@ -31,6 +31,13 @@ def triton_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: A
 
 def triton_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out, lse, params: AttentionParams,
                            rules=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv in the dtypes and token-major shapes of q, k, v."""
-    return triton_backward(dout, q, k, v, None, out, lse, params, packing=Packing(cu_q, cu_k, max_q, max_k),
-                           rules=rules)
+    """dq, dk, dv in the dtypes and token-major shapes of q, k, v. On Hopper the Gluon backward serves
+    what it can (`gluon_backward.gluon_backward_supports`) where it is measured faster
+    (`gluon_backward_faster`)."""
+    packing = Packing(cu_q, cu_k, max_q, max_k)
+    if gluon_usable(q, GLUON_BACKWARD_MIN_LEN, max_q) and gluon_backward_faster(q.shape[-1], params, rules, packing):
+        from . import gluon_backward as gb
+
+        if not gb.gluon_backward_supports(q, k, v, None, params, dout, False, rules, packing):
+            return gb.run_gluon_backward(dout, q, k, v, out, lse, params, None, False, rules, packing)
+    return triton_backward(dout, q, k, v, None, out, lse, params, packing=packing, rules=rules)
