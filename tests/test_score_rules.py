@@ -430,41 +430,27 @@ def test_varlen_rules_against_the_per_sequence_oracle(case, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("case", range(3))
-def test_gpu_gluon_forward_serves_packed_rules(case, d, dtype, monkeypatch):
-    """Packed sequences (empty ones, lengths off the tiles) with the rules, through the Gluon forward."""
+def test_gpu_gluon_kernels_serve_packed_rules(case, d, dtype, kernel, monkeypatch):
+    """Packed sequences (empty ones, lengths off the tiles) with the rules, through the Gluon forward, or the
+    Gluon backward (at every length, head dim and window here): it is the one called."""
+    from exattn.backends import triton as backend
+    from exattn.backends.triton import gluon_backward as gb
     from exattn.backends.triton import gluon_forward as gf
     from exattn.backends.triton import settings
 
-    monkeypatch.setattr(settings, "replay", False)  # a replayed call would not reach run_gluon_forward
+    monkeypatch.setattr(settings, "replay", False)  # a replayed call would not reach the kernels' entry
+    module, entry = (gf, "run_gluon_forward") if kernel == "forward" else (gb, "run_gluon_backward")
+    if kernel == "backward":
+        monkeypatch.setitem(backend.GLUON_BACKWARD_MIN_LEN, d, 1)
+        monkeypatch.setattr(backend, "GLUON_RULES_BACKWARD_HEAD_DIMS", (64, 128))  # also where Triton is faster
+        monkeypatch.setattr(backend, "GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND", False)
     calls = []
-    real = gf.run_gluon_forward
-    monkeypatch.setattr(gf, "run_gluon_forward", lambda *args: calls.append(1) or real(*args))
-    lens_q, lens_k, rules = VARLEN_CASES[case]
-    scale = 37
-    check_varlen_rules([n * scale for n in lens_q], [n * scale for n in lens_k], rules, dtype, "triton", "cuda",
-                       d=d, dv=d, seed=case)
-    assert calls == [1]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("case", range(3))
-def test_gpu_gluon_backward_serves_packed_rules(case, d, dtype, monkeypatch):
-    """Packed sequences (empty ones, lengths off the tiles) with the rules, through the Gluon backward
-    (at every length, head dim and window here)."""
-    from exattn.backends import triton as backend
-    from exattn.backends.triton import gluon_backward as gb
-
-    monkeypatch.setitem(backend.GLUON_BACKWARD_MIN_LEN, d, 1)
-    monkeypatch.setattr(backend, "GLUON_RULES_BACKWARD_HEAD_DIMS", (64, 128))  # also where Triton is faster
-    monkeypatch.setattr(backend, "GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND", False)
-    calls = []
-    real = gb.run_gluon_backward
-    monkeypatch.setattr(gb, "run_gluon_backward", lambda *args: calls.append(1) or real(*args))
+    real = getattr(module, entry)
+    monkeypatch.setattr(module, entry, lambda *args: calls.append(1) or real(*args))
     lens_q, lens_k, rules = VARLEN_CASES[case]
     scale = 37
     check_varlen_rules([n * scale for n in lens_q], [n * scale for n in lens_k], rules, dtype, "triton", "cuda",

@@ -152,60 +152,66 @@ GLUON_RULES = {  # name: keywords of exattn.attention (segment ids from `documen
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("rule", GLUON_RULES)
-@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000), (1, 4, 2, 333, 517), (2, 4, 4, 517, 200), (1, 2, 1, 1, 300)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_gpu_gluon_forward_serves_the_rules(head_dim, rule, shape, monkeypatch):
-    """The Gluon forward applies every rule: it is the one called."""
-    from exattn.backends.triton import gluon_forward as gf
-    from exattn.backends.triton import settings
+GPU_RULE_SHAPES = [(2, 8, 2, 1000, 1000), (1, 4, 2, 333, 517), (2, 4, 4, 517, 200), (1, 2, 1, 1, 300)]
 
-    monkeypatch.setattr(settings, "replay", False)  # a replayed call would not reach run_gluon_forward
-    calls = []
-    real = gf.run_gluon_forward
-    monkeypatch.setattr(gf, "run_gluon_forward", lambda *args: calls.append(1) or real(*args))
+
+def gluon_rule_case(rule: str, shape: tuple, head_dim: int, seed: int):
+    """(q, k, v, sinks, keywords of exattn.attention) on the GPU for GLUON_RULES[rule] (fp16 for the
+    333-row shape, bf16 otherwise)."""
     kwargs = dict(GLUON_RULES[rule])
     dtype = torch.float16 if shape[3] == 333 else torch.bfloat16
-    q, k, v, rules = inputs(*shape, head_dim, dtype, "cuda", logit_scale=2.0, seed=shape[3])
+    q, k, v, rules = inputs(*shape, head_dim, dtype, "cuda", logit_scale=2.0, seed=seed)
     documents, shuffled = kwargs.pop("documents", None), kwargs.pop("shuffled", False)
     if documents is not None:
         kwargs["segment_ids"] = tuple(x.cuda() for x in document_ids(q, k, documents, shuffled))
     kwargs["alibi_slopes"] = rules["alibi_slopes"] if kwargs.pop("alibi", False) else None
-    check(q, k, v, sinks=rules["sinks"] if kwargs.pop("sinks", False) else None, **kwargs)
+    return q, k, v, rules["sinks"] if kwargs.pop("sinks", False) else None, kwargs
+
+
+def counted(monkeypatch, module, name: str) -> list:
+    """A list that gains an entry each time module.name is called (replay off: a replayed call would not
+    reach it)."""
+    from exattn.backends.triton import settings
+
+    monkeypatch.setattr(settings, "replay", False)
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("rule", GLUON_RULES)
+@pytest.mark.parametrize("shape", GPU_RULE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_gluon_forward_serves_the_rules(head_dim, rule, shape, monkeypatch):
+    """The Gluon forward applies every rule: it is the one called."""
+    from exattn.backends.triton import gluon_forward as gf
+
+    calls = counted(monkeypatch, gf, "run_gluon_forward")
+    q, k, v, sinks, kwargs = gluon_rule_case(rule, shape, head_dim, seed=shape[3])
+    check(q, k, v, sinks=sinks, **kwargs)
     assert calls == [1]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("rule", GLUON_RULES)
-@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000), (1, 4, 2, 333, 517), (2, 4, 4, 517, 200), (1, 2, 1, 1, 300)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", GPU_RULE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gpu_gluon_backward_serves_the_rules(head_dim, rule, shape, monkeypatch):
     """The Gluon backward applies every rule (at every length and head dim here): it is the one called,
     its gradients match the oracle, and a second backward is bitwise equal."""
     from exattn.backends import triton as backend
     from exattn.backends.triton import gluon_backward as gb
-    from exattn.backends.triton import settings
 
-    monkeypatch.setattr(settings, "replay", False)  # a replayed call would not reach run_gluon_backward
     monkeypatch.setitem(backend.GLUON_BACKWARD_MIN_LEN, head_dim, 1)
     monkeypatch.setattr(backend, "GLUON_RULES_BACKWARD_HEAD_DIMS", (64, 128))  # also where Triton is faster
-    calls = []
-    real = gb.run_gluon_backward
-    monkeypatch.setattr(gb, "run_gluon_backward", lambda *args: calls.append(1) or real(*args))
-    kwargs = dict(GLUON_RULES[rule])
-    dtype = torch.float16 if shape[3] == 333 else torch.bfloat16
-    q, k, v, rules = inputs(*shape, head_dim, dtype, "cuda", logit_scale=2.0, seed=shape[3] + 1)
-    documents, shuffled = kwargs.pop("documents", None), kwargs.pop("shuffled", False)
-    if documents is not None:
-        kwargs["segment_ids"] = tuple(x.cuda() for x in document_ids(q, k, documents, shuffled))
-    kwargs["alibi_slopes"] = rules["alibi_slopes"] if kwargs.pop("alibi", False) else None
-    sinks = rules["sinks"] if kwargs.pop("sinks", False) else None
+    calls = counted(monkeypatch, gb, "run_gluon_backward")
+    q, k, v, sinks, kwargs = gluon_rule_case(rule, shape, head_dim, seed=shape[3] + 1)
     check(q, k, v, sinks=sinks, **kwargs)
     assert calls == [1]
     dout = torch.randn(*q.shape[:3], v.shape[3], device=q.device)
+
     def run(q, k, v, s):
         return exattn.attention(q, k, v, sinks=s, return_lse=True, backend="triton", **kwargs)
 
