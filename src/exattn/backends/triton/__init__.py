@@ -37,9 +37,9 @@ GLUON_FORWARD_MIN_LEN = {64: 1, 128: 1}
 GLUON_BACKWARD_MIN_LEN = {64: 512, 128: 1024}
 # The Gluon backward with score rules, windows other than full or causal, or packing (`backward_rule_bits`;
 # its 32-row query tiles, `gluon_backward.RULE_CONFIGS`), where it beats the Triton kernels on the H200
-# (bf16, 16k tokens, against those kernels' figures of the previous masks and varlen tables): d = 128 with
+# (bf16, 16k tokens, against those kernels' figures in the masks and varlen tables at 49cdc8f): d = 128 with
 # rules 1.09-1.30x (sinks with a 4k window 0.98x); packed d = 128 causal 1.00-1.44x, but packed full
-# attention 0.89-1.00x and packed d = 64 0.71-0.81x, which keep the Triton kernels.
+# attention 0.89-1.00x and packed d = 64 0.73-0.82x, which keep the Triton kernels.
 GLUON_RULES_BACKWARD_HEAD_DIMS = (128,)
 GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND = True
 GLUON_HEAD_DIMS = tuple(GLUON_FORWARD_MIN_LEN)
