@@ -470,13 +470,15 @@ class FakeKernel:
     """Stands in for a Gluon kernel on the CPU: records each launch's arguments and lets `effect`
     write what the kernel would."""
 
-    def __init__(self, effect):
+    def __init__(self, effect=lambda args: None):
         self.launches = []
+        self.grids = []
         self.effect = effect
 
     def __getitem__(self, grid):
         def run(*args, **options):
             self.launches.append(args)
+            self.grids.append(tuple(grid))
             self.options = options
             self.effect(args)
         return run
@@ -561,6 +563,72 @@ def test_launch_forms_dq_the_way_dq_path_says(causal, atomic_dq, ordered_dq, acc
     expected = 3.0 if path == "kernel" else added + (0.25 if accumulate else 0.0)
     assert dq.dtype == (torch.float32 if accumulate else q.dtype)
     assert torch.equal(dq, torch.full(q.shape, expected, dtype=dq.dtype))
+
+
+def fake_kernels(monkeypatch) -> tuple[FakeKernel, FakeKernel]:
+    dkdv, dq_kernel = FakeKernel(), FakeKernel()
+    monkeypatch.setattr(gb, "gluon_dkdv_kernel", dkdv)
+    monkeypatch.setattr(gb, "gluon_dq_kernel", dq_kernel)
+    return dkdv, dq_kernel
+
+
+def argument(kernel: FakeKernel, real, name: str):
+    """The argument `name` of the kernel's one launch (`real`: the Gluon kernel, for its argument names)."""
+    (args,) = kernel.launches
+    return args[real.arg_names.index(name)]
+
+
+def test_launch_hands_rules_to_both_kernels_with_the_key_blocks_segment_tables(monkeypatch):
+    """Rules take the dQ kernel (also where ordered dQ would serve), both kernels get RULES, and the dK/dV
+    kernel gets each 128-key block's query tiles and each query tile's id range (the ids never decrease:
+    exact against a direct count)."""
+    from exattn.problem import ScoreRules
+
+    ordered_everywhere(monkeypatch)
+    monkeypatch.setattr(gb, "resident_programs", lambda device: 132)
+    real_dkdv = gb.gluon_dkdv_kernel
+    dkdv, dq_kernel = fake_kernels(monkeypatch)
+    n, block_m = 300, gb.RULE_CONFIGS[128].dkdv_block_m
+    q, k, v = (torch.randn(1, heads, n, 128).half() for heads in (4, 2, 2))
+    ids = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor([100, 150, 50]))[None]
+    params = AttentionParams(scale=0.1, window=(-1, 0), softcap=5.0)
+    gb.launch(q, q, k, v, q, torch.zeros(1, 4, n), params, None, False, ScoreRules(ids, ids))
+    bits = gf.SOFTCAP.value | gf.SEGMENTS.value
+    assert dkdv.options["RULES"] == dq_kernel.options["RULES"] == bits and not dkdv.options["ROTATE"]
+    assert argument(dkdv, real_dkdv, "dq_desc") is None and len(dq_kernel.launches) == 1
+    tiles, tile_ids = (argument(dkdv, real_dkdv, name)[0] for name in ("QUERY_TILES", "QUERY_TILE_IDS"))
+    def id_set(first, count):
+        return set(ids[0, first:first + count].tolist())
+
+    for block in range(gf.ceil_div(n, 128)):
+        meets = [t for t in range(gf.ceil_div(n, block_m)) if id_set(t * block_m, block_m) & id_set(block * 128, 128)]
+        assert tiles[block].tolist() == [min(meets), max(meets) + 1]
+    for t in range(gf.ceil_div(n, block_m)):
+        rows = ids[0, t * block_m:(t + 1) * block_m]
+        assert tile_ids[t].tolist() == [rows.min().item(), rows.max().item()]
+
+
+def test_packed_backward_stores_dk_dv_from_registers_into_packed_gradients(monkeypatch):
+    """Packing: the kernels see (1, H, total, d) views of the packed gradients they return, dK and dV by
+    pointer (a TMA box would reach the next sequence), grids sized by the batch and the longest sequences."""
+    from exattn.backends.triton.passes import Packing
+
+    real_dkdv, real_dq = gb.gluon_dkdv_kernel, gb.gluon_dq_kernel
+    dkdv, dq_kernel = fake_kernels(monkeypatch)
+    lengths = [300, 0, 17, 200]
+    cu = torch.tensor([0, 300, 300, 317, 517], dtype=torch.int32)
+    q, k, v = (torch.randn(517, heads, 64).half() for heads in (4, 2, 2))
+    params = AttentionParams(scale=0.1, window=(-1, 0))
+    dq, dk, dv = gb.run_gluon_backward(q, q, k, v, q, torch.zeros(4, 517), params, None, False, None,
+                                       Packing(cu, cu, max(lengths), max(lengths)))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dkdv.options["RULES"] == dq_kernel.options["RULES"] == gf.VARLEN.value
+    assert argument(dkdv, real_dkdv, "dk_desc") is None
+    for grad, kernel, real, name in ((dk, dkdv, real_dkdv, "DK"), (dv, dkdv, real_dkdv, "DV"),
+                                     (dq, dq_kernel, real_dq, "DQ")):
+        view = argument(kernel, real, name)
+        assert view.shape == (1, grad.shape[1], grad.shape[0], 64) and view.data_ptr() == grad.data_ptr()
+    assert dkdv.grids == [(gf.ceil_div(300, 128) * 4 * 2,)] and dq_kernel.grids == [(gf.ceil_div(300, 128) * 4 * 4,)]
 
 
 # ---------------------------------------------------------------- GPU
