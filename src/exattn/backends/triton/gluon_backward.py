@@ -108,6 +108,7 @@ from .gluon_forward import (
     box_layout,
     broadcast_reasons,
     causal_heads_per_group,
+    column_positions,
     first_row,
     gluon_supports,
     key_range,
@@ -635,7 +636,7 @@ def key_block_probabilities(s, lse2, t, keys, scale_log2, CAUSAL: gl.constexpr, 
     ctx, key_state, _ = keys
     positions, key_ids, key_id_range, first, Q_IDS, q_ids_stride, QUERY_TILE_IDS = key_state
     BLOCK_M: gl.constexpr = s.shape[1]
-    queries = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout))
+    queries = column_positions(s, t)
     q_pos = gl.expand_dims(queries, 0)
     k_pos = gl.expand_dims(positions, 1)
     p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 0), q_pos, k_pos, ctx, scale_log2, RULES)
@@ -873,7 +874,7 @@ def row_block_probabilities(s, lse2, rows, tile, row_rules, scale_log2, CAUSAL: 
     context (`work_context`), the rows' segment ids, their (least, greatest), the first row."""
     ctx, row_ids, row_id_range, first = row_rules
     BLOCK_N: gl.constexpr = s.shape[1]
-    keys = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    keys = column_positions(s, tile)
     q_pos = gl.expand_dims(rows, 1)
     k_pos = gl.expand_dims(keys, 0)
     p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 1), q_pos, k_pos, ctx, scale_log2, RULES)

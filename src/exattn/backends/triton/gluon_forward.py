@@ -430,8 +430,8 @@ def fast_tanh(x):
 
 
 @gluon.jit
-def key_positions(s, tile):
-    """Key positions of the columns of score tile s of key tile `tile`."""
+def column_positions(s, tile):
+    """Positions of the columns of score tile s, the tile-th of its width: the keys of S, the queries of S^T."""
     BLOCK_N: gl.constexpr = s.shape[1]
     return tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
 
@@ -439,7 +439,7 @@ def key_positions(s, tile):
 @gluon.jit
 def modified_scores(s, rows, tile, ctx, RULES: gl.constexpr):
     """Raw scores s of key tile `tile` after the softcap, then ALiBi (`rule_scores`)."""
-    s, _ = rule_scores(s, gl.expand_dims(rows, 1), gl.expand_dims(key_positions(s, tile), 0), ctx, RULES)
+    s, _ = rule_scores(s, gl.expand_dims(rows, 1), gl.expand_dims(column_positions(s, tile), 0), ctx, RULES)
     return s
 
 
@@ -462,7 +462,7 @@ def rule_scores(s, q_pos, k_pos, ctx, RULES: gl.constexpr):
 def masked_scores(s, rows, tile, ctx, row_ids, CAUSAL: gl.constexpr, RULES: gl.constexpr):
     """Scores s of key tile `tile`, -inf where rows may not see the key (`allowed_pairs`)."""
     len_q, len_k = ctx[LEN_Q], ctx[LEN_K]
-    keys = key_positions(s, tile)
+    keys = column_positions(s, tile)
     cols = gl.expand_dims(keys, 0)
     if RULES == 0:
         if CAUSAL:
