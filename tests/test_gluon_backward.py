@@ -297,6 +297,19 @@ def test_supports_names_every_reason(monkeypatch):
     assert "window" not in " | ".join(gb.gluon_backward_supports(q, k, v[..., :48], None, params, dout))
 
 
+def test_packed_backward_refuses_accumulate_into(monkeypatch):
+    """Packing writes fresh packed gradients; accumulating into the caller's tensors is refused by name."""
+    from exattn.backends.triton.passes import Packing
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(12, 2, 64).half()
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    grads = tuple(torch.zeros(12, 2, 64) for _ in range(3))
+    with pytest.raises(ValueError, match="accumulate_into with packing is not supported"):
+        gb.gluon_backward(q, q, q, q, q, torch.zeros(2, 12), AttentionParams(scale=0.1), grads,
+                          packing=Packing(cu, cu, 7, 7))
+
+
 def test_gluon_backward_serves_rules_and_packing_where_measured_faster():
     """Rules and packing take the Gluon backward at d = 128 only, packing only with a right window bound
     (`gluon_backward_faster`); plain problems at every head dim the kernels have."""

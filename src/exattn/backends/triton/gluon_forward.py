@@ -769,9 +769,9 @@ def gluon_forward_kernel(
     num_row_tiles * B * Hq work tiles (`work_tile`; heads_per_group: the causal order's group size).
     Descriptors (`tile_descriptor`): q, o (B, Hq, Nq, D) with [1, 1, 64, D] boxes, k, v (B, Hk, Nk, D)
     with [1, 1, BLOCK_N, D] boxes; o in q's dtype. LSE: (B, Hq, Nq) float32, natural log, rows
-    lse_stride apart. RULES (bits, `rule_bits`): the window's left bound, a right bound other than 0 (CAUSAL:
-    any right bound), softcap
-    (raw units: softcap / scale), ALiBi slopes (B, Hq) at ALIBI_PTR, sinks (Hq,), prefix (B,), segment
+    lse_stride apart. RULES (bits, `rule_bits`): the window's left bound, a right bound other than 0
+    (CAUSAL: any right bound), softcap (raw units: softcap / scale), ALiBi slopes (B, Hq) at ALIBI_PTR,
+    sinks (Hq,), prefix (B,), segment
     ids (B, Nq) and (B, Nk) with their 64-row blocks' key-tile ranges SEG_BLOCKS and key tiles' id
     ranges KEY_IDS (`segment_tables`), and VARLEN: sequence b owns rows CU_Q[b]:CU_Q[b+1] of the
     (1, Hq, total_q, D) views (CU_K: of K/V), len_q and len_k being the longest, O the packed out.
