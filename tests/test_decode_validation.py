@@ -226,3 +226,22 @@ def test_check_errors_takes_a_device_and_is_quiet_without_records():
     exattn.check_errors()
     exattn.check_errors(DEVICE)
     exattn.check_errors(torch.device(DEVICE))
+
+
+def test_the_record_is_made_on_a_thread_of_its_own(monkeypatch):
+    """A thread that warms up a CUDA graph allocates into the graph's pool; the record must not land there."""
+    import threading
+
+    made_on = []
+    real = errors.allocate_record
+    monkeypatch.setattr(errors, "allocate_record", lambda device: made_on.append(threading.get_ident()) or real(device))
+    device = torch.device("cpu")
+    kept = errors._RECORDS.pop(device, None)
+    try:
+        state = errors.device_record(device)
+        assert made_on and made_on[0] != threading.get_ident()
+        assert state.record.shape == (errors.RECORD_SIZE,) and not state.record.any()
+    finally:
+        errors._RECORDS.pop(device, None)
+        if kept is not None:
+            errors._RECORDS[device] = kept

@@ -34,8 +34,9 @@ class Compiled:
 
 
 def add(X, Y, OUT, n, SCALE=1.0):
-    """The kernel's effect: OUT[:n] = (X[:n] + Y[:n]) * SCALE."""
-    torch.add(X.base if hasattr(X, "base") else X, Y, out=OUT) if n < 0 else OUT[:n].copy_((X[:n] + Y[:n]) * SCALE)
+    """The kernel's effect: OUT[:n] = (X[:n] + Y[:n]) * SCALE (all of X + Y for n < 0); X may be a descriptor."""
+    X = X if isinstance(X, torch.Tensor) else X.base
+    torch.add(X, Y, out=OUT) if n < 0 else OUT[:n].copy_((X[:n] + Y[:n]) * SCALE)
 
 
 class Kernel:
@@ -290,3 +291,81 @@ def test_launch_hooks_reach_replayed_launches_only_when_set(monkeypatch):
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
     add_pass(*inputs())
     assert seen[0] == (None, None) and seen[1][0] is hook
+
+
+class TensorMap:
+    """`make_tensordesc_arg`'s encoded descriptor, standing in for the CUDA tensor map of `base`."""
+
+    def __init__(self, base):
+        self.base = base
+
+
+class Launcher:
+    """Triton 3.6's CUDA launcher, standing in: `launch` is Triton's own descriptor wrapper around `raw`."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, raw, signature, metas):
+        from triton.backends.nvidia import driver
+
+        self.launch = driver.wrap_handle_tensordesc(raw, signature, metas)
+
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
+
+
+def test_direct_launches_pass_the_launcher_what_triton_would_and_encode_a_base_once(monkeypatch):
+    """A replay calls the launcher under Triton's descriptor wrapper itself, with the arguments the
+    wrapper would have made, and encodes a descriptor again only for a base address it has not seen."""
+    from triton.backends.nvidia import driver
+
+    encoded = []
+
+    def make_tensordesc_arg(descriptor, meta):
+        encoded.append(descriptor.base.data_ptr())
+        return [TensorMap(descriptor.base), *descriptor.shape, *descriptor.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", make_tensordesc_arg)
+    received = []
+
+    def raw(*args):
+        received.append(args)
+        tensor_map, _, _, y, out, n, scale = args[len(replay.BASE_ARGS_FORMAT):]
+        out[:n].copy_((tensor_map.base[:n] + y[:n]) * scale)
+
+    signature = {"X": "tensordesc<fp32[4]>", "Y": "*fp32", "OUT": "*fp32", "n": "i32", "SCALE": "constexpr"}
+    kernel = Kernel()
+    kernel.compiled.run = Launcher(raw, signature, [{"block_size": [4]}])
+
+    class Descriptor:
+        def __init__(self, base):
+            self.base, self.shape, self.strides, self.padding = base, [base.numel()], [1], "zero"
+
+    @replay.replayable()
+    def through_descriptor(x, y):
+        out = torch.empty_like(x)
+        replay.run_kernel(kernel, (1,), Descriptor(x), y, out, x.numel(), SCALE=2.0)
+        return out
+
+    x, y = inputs()
+    through_descriptor(x, y)  # recorded: the stand-in JIT ran the kernel, no launcher call
+    (plan,) = replay.PLANS.values()
+    assert [type(step) for step in plan.steps] == [replay.DirectLaunch]
+    for x, y in (inputs(), inputs()):
+        assert torch.equal(through_descriptor(x, y), (x + y) * 2.0)
+    again = through_descriptor(x, y)
+    assert torch.equal(again, (x + y) * 2.0)
+    assert len(encoded) == len(set(encoded)), "a base address seen before is not encoded again"
+
+    direct = received[-1]
+    kernel.compiled.run(1, 1, 1, 0, None, None, None, None, None, Descriptor(x), y, again, x.numel(), 2.0)
+    wrapped = received[-1]
+    assert len(direct) == len(wrapped)
+    for got, want in zip(direct, wrapped):
+        if isinstance(want, TensorMap):
+            assert got.base is x and want.base is x
+        elif isinstance(want, torch.Tensor):
+            assert got.data_ptr() == want.data_ptr()
+        else:
+            assert got == want

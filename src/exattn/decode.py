@@ -32,6 +32,7 @@ import torch
 from . import errors
 from .algebra import merge_states
 from .backends.tiled import tiled_forward
+from .checked_calls import call_signature, known_call, remember
 from .problem import (
     UNBOUNDED, AttentionParams, ScoreRules, check_same_dtype_device, check_scale, check_score_rules, check_softcap,
     check_tensor, check_window, compute_dtype,
@@ -409,10 +410,16 @@ def run_triton(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon split kernel where the plan marks the launch and it serves the inputs, else the
     Triton kernels. Validated: first raises what earlier calls' kernels recorded
     (`errors.raise_recorded`: a host read, no sync), then the kernels check this call's inputs."""
-    if problem.validate:
-        errors.raise_recorded(problem.q.device)
-        errors.device_record(problem.q.device)  # made before any recording, so a replay writes to it too
-    return launch_triton(*triton_op_args(problem))
+    return run_triton_op(*triton_op_args(problem))
+
+
+def run_triton_op(*op_args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`run_triton` for the arguments of `triton_op_args`."""
+    q, validate = op_args[0], op_args[-1]
+    if validate:
+        errors.raise_recorded(q.device)
+        errors.device_record(q.device)  # made before any recording, so a replay writes to it too
+    return launch_triton(*op_args)
 
 
 def launch_triton(*op_args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -540,8 +547,8 @@ def decode_triton_op(
     """`run_triton` as one opaque op for `torch.compile` (no backward: decoding has none): out
     (B, Hq, Nq, Dv) in q's dtype, lse (B, Hq, Nq) float32. The arguments are a validated
     `DecodeProblem`'s (`triton_op_args`)."""
-    return run_triton(problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale,
-                                           num_splits, window_left, softcap, validate))
+    return run_triton_op(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale, num_splits, window_left,
+                         softcap, validate)
 
 
 def problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale, num_splits,
@@ -636,9 +643,19 @@ def decode(
     Returns:
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
     """
+    signature = None
+    if cache_seqlens is not None and alibi_slopes is None and not torch.compiler.is_compiling():
+        signature = call_signature("decode", (q, k_cache, v_cache, cache_seqlens, block_table, sinks), window,
+                                   (scale, num_splits, validate, softcap, backend))
+        known = known_call(signature)
+        if known is not None:
+            out, lse = run_triton_op(q, k_cache, v_cache, cache_seqlens, block_table, None, sinks, *known, validate)
+            return (out, lse.to(torch.float32)) if return_lse else out
     problem = make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate,
                                   window, softcap, alibi_slopes, sinks)
     name = choose_decode_backend(problem, backend)
+    if name == "triton" and q.shape[0] > 0:
+        remember(signature, (problem.scale, problem.num_splits, problem.window_left, problem.softcap))
     if q.shape[0] == 0:
         out, lse = q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
     elif name == "triton" and torch.compiler.is_compiling():

@@ -20,6 +20,7 @@ is being captured leaves it for the next.
 from __future__ import annotations
 
 import ctypes
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -53,10 +54,25 @@ def device_record(device: torch.device) -> DeviceRecord:
             raise RuntimeError(f"the first validated exattn.decode call on {device} is being captured in a CUDA "
                                "graph: make one validated call before capturing (it allocates the record that "
                                "the captured kernels write)")
-        record = torch.zeros(RECORD_SIZE, dtype=torch.int32, device=device)
-        doorbell = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        record, doorbell = on_own_thread(lambda: allocate_record(device))
         state = _RECORDS[device] = DeviceRecord(record, doorbell, ctypes.c_int32.from_address(doorbell.data_ptr()))
     return state
+
+
+def allocate_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    record = torch.zeros(RECORD_SIZE, dtype=torch.int32, device=device)
+    doorbell = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return record, doorbell
+
+
+def on_own_thread(make):
+    """`make()` run on a thread of its own. A thread that warms up a CUDA graph (torch.compile's
+    mode="reduce-overhead") allocates into the graph's memory pool, which must hold nothing but the
+    graph's outputs when the warm-up ends; a record made there would stay alive inside that pool."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(make).result()
 
 
 def raise_recorded(device: torch.device) -> None:

@@ -46,7 +46,11 @@ def row_delta(dout: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torc
 def recomputing_attention(problem, passes) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `problem` through a fused backend's passes: `RecomputingAttention` where a gradient
     is wanted, else the forward pass alone (no autograd node to build: less host time per call)."""
-    q, k, v, mask, params, rules = problem.q, problem.k, problem.v, problem.mask, problem.params, problem.rules
+    return fused_attention(passes, problem.q, problem.k, problem.v, problem.mask, problem.params, problem.rules)
+
+
+def fused_attention(passes, q, k, v, mask, params, rules=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`recomputing_attention` of a problem's parts."""
     if not wants_grad(q, k, v, None if rules is None else rules.sinks):
         return passes.forward(q, k, v, mask, params) if rules is None else passes.forward(
             q, k, v, mask, params, rules=rules)

@@ -106,9 +106,7 @@ def gluon_usable(q: torch.Tensor, min_len: dict[int, int], len_q: int) -> bool:
     """Whether the Gluon kernels are switched on, written for this Triton, and measured faster for q's
     head dim at this query length (`min_len`: GLUON_FORWARD_MIN_LEN or GLUON_BACKWARD_MIN_LEN); their own
     support checks say whether they serve the inputs."""
-    from .passes import settings
-
-    return (settings.use_gluon and q.is_cuda and gluon_length_ok(min_len, q.shape[-1], len_q)
+    return (backend_settings().use_gluon and q.is_cuda and gluon_length_ok(min_len, q.shape[-1], len_q)
             and gluon_written_for_this_triton())
 
 
@@ -143,19 +141,25 @@ def gluon_length_ok(min_len: dict[int, int], head_dim: int, len_q: int) -> bool:
     return head_dim in min_len and len_q >= min_len[head_dim]
 
 
-def replay_key() -> tuple:
-    """What a replayed pass depends on beyond its arguments: the backend's settings."""
+@functools.cache
+def backend_settings():
+    """`passes.settings`, imported on first use (it imports triton): a function-level import on every
+    call would cost the host path microseconds."""
     from .passes import settings
 
+    return settings
+
+
+def replay_key() -> tuple:
+    """What a replayed pass depends on beyond its arguments: the backend's settings."""
+    settings = backend_settings()
     return (settings.atomic_dq, settings.ordered_dq, settings.rotated_dq_order, settings.use_tma, settings.use_gluon)
 
 
 def replays(tensor: torch.Tensor, dropout_p: float) -> bool:
     """Whether a pass's launches are replayed (`replay.py`): on CUDA, without dropout (whose seed
     changes every call)."""
-    from .passes import settings
-
-    return settings.replay and tensor.is_cuda and dropout_p == 0 and not interpreting()
+    return backend_settings().replay and tensor.is_cuda and dropout_p == 0 and not interpreting()
 
 
 @replayable(replay_key, lambda q, k, v, mask, params, rules=None: replays(q, params.dropout_p))
@@ -184,9 +188,9 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     (`gluon_backward.py`, deterministic, score rules included; with `settings.atomic_dq` their atomic dQ
     variant where it exists, without rules) serve what they can; everything else runs the Triton kernels.
     """
-    from .passes import settings
     from .passes import triton_backward as run
 
+    settings = backend_settings()
     if gluon_usable(q, GLUON_BACKWARD_MIN_LEN, q.shape[2]) and gluon_backward_faster(q.shape[-1], params, rules):
         from . import gluon_backward as gb
 
@@ -226,7 +230,5 @@ class TritonBackend:
 
 def __getattr__(name: str):
     if name == "settings":
-        from .passes import settings
-
-        return settings
+        return backend_settings()
     raise AttributeError(name)

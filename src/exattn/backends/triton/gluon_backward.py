@@ -1161,8 +1161,8 @@ def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pa
     (no key) and in the padding; delta = rowsum(out * dout) with 0 in the padding. One launch, which
     also zeroes `semaphores` (int32 (B * Hq, len_q_pad / STATS_ROWS), contiguous) if given."""
     batch, heads_q, len_q = lse.shape
-    lse2 = torch.empty(batch * heads_q, len_q_pad, dtype=torch.float32, device=lse.device)
-    delta = torch.empty_like(lse2)
+    stats = torch.empty(2, batch * heads_q, len_q_pad, dtype=torch.float32, device=lse.device)  # one allocation
+    lse2, delta = stats[0], stats[1]
     block = STATS_ROWS
     row_tiles = ceil_div(len_q_pad, block)
     assert semaphores is None or semaphores.shape == (batch * heads_q, row_tiles) and semaphores.is_contiguous()
@@ -1296,8 +1296,8 @@ def dq_accumulators(path: str, q: torch.Tensor, k: torch.Tensor, dq: torch.Tenso
         return None, None
     if path == "ordered":
         dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        if causal:
-            dq_sum[:, :, : max(0, q.shape[2] - k.shape[2])].zero_()
+        if causal and q.shape[2] > k.shape[2]:
+            dq_sum[:, :, : q.shape[2] - k.shape[2]].zero_()
         return dq_sum, torch.empty(q.shape[0] * q.shape[1], row_tiles, dtype=torch.int32, device=q.device)
     in_place = accumulating and tma_compatible(dq)
     return (dq if in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)), None

@@ -76,6 +76,113 @@ class Launch(NamedTuple):
     slots: tuple[tuple[int, Ref | DescriptorRef], ...]
 
 
+class DescriptorFill(NamedTuple):
+    """A TMA descriptor argument of a direct launch: the launcher's arguments at [start, start + width)
+    come from Triton's `make_tensordesc_arg` of the descriptor over `ref`, kept per base address in
+    `made` (they depend on nothing else within one plan)."""
+
+    start: int
+    width: int
+    ref: DescriptorRef
+    meta: Any
+    made: dict
+
+
+class DirectLaunch(NamedTuple):
+    """A `Launch` through the launcher under Triton's descriptor wrapper (`direct_launch`): the
+    wrapper's per-call loop over every argument, and the re-encoding of a descriptor whose base is
+    where it was in an earlier call, are skipped. `launch` is the recorded launch (for hooks)."""
+
+    launch: Launch
+    raw: Callable
+    head: tuple  # (cooperative grid, PDL)
+    args: tuple  # the launcher's kernel arguments, tensors and descriptors replaced by None
+    tensors: tuple[tuple[int, Ref], ...]
+    descriptors: tuple[DescriptorFill, ...]
+
+    def run(self, tensors: list[Tensor], stream: int) -> None:
+        args = list(self.args)
+        for position, ref in self.tensors:
+            args[position] = tensors[ref.index] if ref.view is None else resolve(ref, tensors)
+        for fill in self.descriptors:
+            args[fill.start:fill.start + fill.width] = descriptor_words(fill, tensors)
+        launch, compiled = self.launch, self.launch.compiled
+        self.raw(*launch.grid, stream, compiled.function, *self.head, None, None, compiled.packed_metadata, None,
+                 None, None, *args)
+
+
+MAX_DESCRIPTORS_KEPT = 64  # per descriptor argument of a plan: the base addresses a loop cycles through
+
+
+def descriptor_words(fill: DescriptorFill, tensors: list[Tensor]) -> list:
+    base = resolve(fill.ref.ref, tensors)
+    address = base.data_ptr()
+    words = fill.made.get(address)
+    if words is None:
+        descriptor = copy.copy(fill.ref.template)
+        descriptor.base = base
+        words = make_tensordesc_arg(descriptor, fill.meta)
+        if len(fill.made) >= MAX_DESCRIPTORS_KEPT:
+            fill.made.clear()
+        fill.made[address] = words
+    return words
+
+
+def make_tensordesc_arg(descriptor, meta) -> list:
+    from triton.backends.nvidia.driver import make_tensordesc_arg as make
+
+    return make(descriptor, meta)
+
+
+BASE_ARGS_FORMAT = "iiiKKppOOOOOO"  # Triton 3.6's launcher: grid, stream, function, flags, scratch, metadata, hooks
+
+
+def direct_launch(launch: Launch) -> DirectLaunch | Launch:
+    """`launch` as a `DirectLaunch` where its compiled kernel has Triton 3.6's CUDA launcher with no
+    scratch memory and every TMA descriptor is encoded on the host; else `launch` itself."""
+    launcher = launch.compiled.run
+    unwrapped = unwrapped_launcher(getattr(launcher, "launch", None))
+    if unwrapped is None or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return launch
+    raw, descriptor_positions, metas = unwrapped
+    if any(meta is None for meta in metas):
+        return launch
+    slots = dict(launch.slots)
+    args, tensors, descriptors = [], [], []
+    for position, arg in enumerate(launch.args):
+        if position in descriptor_positions:
+            meta = metas[len(descriptors)]
+            ref = slots.get(position)
+            if not isinstance(ref, DescriptorRef):
+                return launch  # a descriptor the plan keeps as it is: not worth a path of its own
+            width = 1 + 2 * len(ref.template.shape)
+            descriptors.append(DescriptorFill(len(args), width, ref, meta, {}))
+            args += [None] * width
+            continue
+        if position in slots:
+            tensors.append((len(args), slots[position]))
+        args.append(arg)
+    head = (launcher.launch_cooperative_grid, launcher.launch_pdl)
+    return DirectLaunch(launch, raw, head, tuple(args), tuple(tensors), tuple(descriptors))
+
+
+def unwrapped_launcher(launch) -> tuple[Callable, frozenset, list] | None:
+    """(raw launcher, positions of descriptor arguments, their metadata) of a launcher's `launch`: itself
+    with no descriptors, or what Triton 3.6's `wrap_handle_tensordesc` closed over; None for anything else."""
+    from triton.backends.nvidia import driver
+
+    if launch is None or getattr(driver, "_BASE_ARGS_FORMAT", None) != BASE_ARGS_FORMAT:
+        return None
+    if getattr(launch, "__qualname__", "") != "wrap_handle_tensordesc.<locals>.inner":
+        return launch, frozenset(), []
+    cells = dict(zip(launch.__code__.co_freevars, (cell.cell_contents for cell in launch.__closure__)))
+    if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= set(cells):
+        return None
+    positions = frozenset(cells["tensordesc_indices"])
+    metas = list(cells["tensordesc_meta"] or [None] * len(positions))
+    return cells["launcher"], positions, metas
+
+
 class InPlace(NamedTuple):
     """An in-place tensor op of the pass (`IN_PLACE`), replayed in its place among the launches."""
 
@@ -100,12 +207,24 @@ class Plan(NamedTuple):
             ensure_allocator()
         with on_device(self.device):
             stream = current_stream(self.device)
+            hooked = launch_hooks() is not None
             for step in self.steps:
-                if type(step) is Launch:
+                if type(step) is DirectLaunch and not hooked:
+                    step.run(tensors, stream)
+                elif type(step) is DirectLaunch:
+                    replay_launch(step.launch, tensors, stream)
+                elif type(step) is Launch:
                     replay_launch(step, tensors, stream)
                 else:
                     step.run(tensors)
         return rebuild(self.result, tensors)
+
+
+def launch_hooks():
+    """Triton's launch enter and exit hooks, or None when neither is active."""
+    runtime = triton_knobs().runtime
+    enter, leave = active(runtime.launch_enter_hook), active(runtime.launch_exit_hook)
+    return None if enter is None and leave is None else (enter, leave)
 
 
 def active(hook):
@@ -289,7 +408,8 @@ class Recorder(TorchFunctionMode):
             raise NotReplayable("the pass launched no kernel")
         refs = self.result_refs(result)
         needs_allocator = any(getattr(launch.compiled.metadata, "global_scratch_size", 0) for launch in launches)
-        return Plan(tuple(self.buffers), tuple(self.steps), refs, device, needs_allocator)
+        steps = tuple(direct_launch(step) if type(step) is Launch else step for step in self.steps)
+        return Plan(tuple(self.buffers), steps, refs, device, needs_allocator)
 
     def result_refs(self, result):
         if isinstance(result, Tensor):
@@ -344,22 +464,14 @@ def clear() -> None:
     REFUSED.clear()
 
 
-def tensor_leaves(value, into: list[Tensor]) -> list[Tensor]:
-    """The tensors among an argument (tensors, tuples, lists, named tuples), in order."""
+def signature_of(value, inputs: list[Tensor]):
+    """What a plan is keyed on: a tensor's layout and alignment; anything else's value. The tensors
+    among `value` (tensors, tuples, lists, named tuples) are appended to `inputs`, in order."""
     if isinstance(value, Tensor):
-        into.append(value)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            tensor_leaves(item, into)
-    return into
-
-
-def signature_of(value):
-    """What a plan is keyed on: a tensor's layout and alignment; anything else's value."""
-    if isinstance(value, Tensor):
-        return (tuple(value.shape), value.stride(), value.dtype, value.device, value.data_ptr() % ALIGNMENT == 0)
+        inputs.append(value)
+        return value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % ALIGNMENT == 0
     if isinstance(value, (tuple, list)):
-        return (type(value), tuple(signature_of(item) for item in value))
+        return type(value), tuple([signature_of(item, inputs) for item in value])
     return value
 
 
@@ -373,9 +485,9 @@ def replayable(extra_key: Callable[[], Any] | None = None, enabled: Callable[...
         def wrapper(*args, **kwargs):
             if getattr(LOCAL, "recorder", None) is not None or (enabled is not None and not enabled(*args, **kwargs)):
                 return run_pass(*args, **kwargs)
-            named = tuple(sorted(kwargs.items()))
-            key = (run_pass, signature_of(args), signature_of(named), extra_key() if extra_key else None)
-            inputs = tensor_leaves((args, named), [])
+            inputs: list[Tensor] = []
+            key = (run_pass, signature_of(args, inputs), signature_of(tuple(sorted(kwargs.items())), inputs),
+                   extra_key() if extra_key else None)
             plan = PLANS.get(key)
             if plan is not None:
                 PLANS.move_to_end(key)

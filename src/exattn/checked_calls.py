@@ -1,0 +1,54 @@
+"""The checks of a call to an entry point (`exattn.attention`, `exattn.decode`), kept per call signature:
+a later call with the same signature skips validation and the backend choice, and goes straight to the
+kernels' passes.
+
+A signature is what those depend on: the entry point, each tensor argument's shape, dtype and device
+(values are never read by validation), every other argument's type and value (True and 1 differ), and
+whether Triton runs in its interpreter (`TRITON_INTERPRET`). The entry points keep only calls whose
+checked form holds no tensor made for the call, outside `torch.compile`'s tracing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+MAX_SIGNATURES = 256
+KNOWN: OrderedDict = OrderedDict()
+
+
+def call_signature(entry: str, tensors: tuple, window, options: tuple) -> tuple | None:
+    """The signature of a call to `entry` with these tensors (or None), window and other arguments; None
+    where it cannot be kept (an argument of the wrong kind or unhashable: validation says what is wrong)."""
+    layout = []
+    for x in tensors:
+        if isinstance(x, torch.Tensor):
+            layout.append((x.shape, x.dtype, x.device))
+        elif x is None:
+            layout.append(None)
+        else:
+            return None
+    window_types = tuple(map(type, window)) if type(window) is tuple else type(window)
+    key = (entry, tuple(layout), window, window_types, options, tuple(map(type, options)),
+           os.environ.get("TRITON_INTERPRET"))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def known_call(signature: tuple | None) -> Any:
+    """What `remember` kept for this signature, or None."""
+    return None if signature is None else KNOWN.get(signature)
+
+
+def remember(signature: tuple | None, checked: Any) -> None:
+    if signature is None or torch.compiler.is_compiling():
+        return
+    KNOWN[signature] = checked
+    if len(KNOWN) > MAX_SIGNATURES:
+        KNOWN.popitem(last=False)
