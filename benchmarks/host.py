@@ -4,7 +4,12 @@ Short attention calls leave the GPU waiting on Python: what a call costs is then
 host time. For each implementation (exattn, SDPA cuDNN, SDPA flash, compiled Flex) and
 call it times the CPU seconds per call with the GPU kept busy (a queue of large matmuls
 enqueued first, the calls back to back, one synchronize at the end), so no call waits
-on the device; the median of --repeats runs of --calls calls.
+on the device. --repeats interleaved rounds each time one run of --calls calls of every
+row (every other round in reverse order), so the host's drift between seconds reaches
+every row alike: a row is the median of its runs, and its ratio to SDPA cuDNN's call of
+the same kind (`x_cudnn`; decode rows against cuDNN's decode) and, for exattn's
+validated decode rows, to the same call with validate=False (`x_unvalidated`) are the
+medians of the per-round ratios.
 
 Calls: `fwd` (no grad) and `fwd_bwd` (forward with grad, then backward) at bf16,
 B = 4, H = 16, N = 1k, d = 128, causal; `decode` (one new token, B = 8, Hq = 32, Hk = 8,
@@ -42,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from common import interleaved_rounds  # noqa: E402
 from prefill import attention_function, versions  # noqa: E402
 
 IMPLS = ("exattn", "sdpa-cudnn", "sdpa-flash", "flex")
@@ -56,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--calls-to-time", default=",".join(CALLS), help="which calls (fwd, fwd_bwd, decode, decode_paged)")
     p.add_argument("--calls", type=int, default=100, help="calls per timed run")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds")
     p.add_argument("--first-call", action="store_true", help="also time the first call, a fresh process per impl")
     p.add_argument("--profile", action="store_true", help="print a cProfile of exattn's fwd_bwd calls")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/host-h200.json"))
@@ -71,19 +77,56 @@ def busy_gpu(seconds: float) -> None:
         big @ big
 
 
-def host_us_per_call(step, calls: int, repeats: int) -> float:
-    """Median over `repeats` of the CPU µs per step() while the GPU works through a queue."""
-    step()
+def host_us_per_call(step, calls: int) -> float:
+    """CPU µs per step() over `calls` calls while the GPU works through a queue."""
+    busy_gpu(calls * 1.5e-3)
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        busy_gpu(calls * 1.5e-3)
-        start = time.perf_counter()
-        for _ in range(calls):
+    return elapsed / calls * 1e6
+
+
+def interleaved_host_us(steps: dict, calls: int, repeats: int) -> dict:
+    """{(impl, call): [µs per call, one per round] or a note}: after one untimed call of each step,
+    `interleaved_rounds` of `host_us_per_call`."""
+    ready = {}
+    for name, step in steps.items():
+        try:
             step()
-        runs.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(runs)
+            ready[name] = step
+        except Exception as exc:  # an anchor that cannot run this call keeps a row saying why
+            ready[name] = f"{type(exc).__name__}: {exc}"[:200]
+    torch.cuda.synchronize()
+    runnable = [name for name, step in ready.items() if not isinstance(step, str)]
+    samples = interleaved_rounds(runnable, repeats, lambda name: host_us_per_call(ready[name], calls),
+                                 lambda exc: f"{type(exc).__name__}: {exc}"[:200])
+    return {name: samples.get(name, ready[name]) for name in steps}
+
+
+def anchor_of(impl: str, call: str) -> tuple[tuple[str, str], ...]:
+    """The rows a row's per-round ratios are taken against: ("x_cudnn", (impl, call)), ...."""
+    kind = "decode" if call.startswith("decode") else call
+    anchors = [("x_cudnn", ("sdpa-cudnn", kind))]
+    if impl == "exattn" and call in ("decode", "decode_paged"):
+        anchors.append(("x_unvalidated", ("exattn", f"{call}_unvalidated")))
+    return tuple(anchors)
+
+
+def rows_of(samples: dict) -> list[dict]:
+    rows = []
+    for (impl, call), runs in samples.items():
+        if isinstance(runs, str):
+            rows.append(dict(impl=impl, call=call, host_us=None, note=runs))
+            continue
+        row = dict(impl=impl, call=call, host_us=round(statistics.median(runs), 1), runs_us=[round(x, 1) for x in runs])
+        for name, anchor in anchor_of(impl, call):
+            other = samples.get(anchor)
+            if anchor != (impl, call) and isinstance(other, list):
+                row[name] = round(statistics.median(mine / theirs for mine, theirs in zip(runs, other)), 3)
+        rows.append(row)
+    return rows
 
 
 def prefill_steps(impl: str, seqlen: int = 1024):
@@ -194,16 +237,13 @@ def main(argv=None):
         print(json.dumps(first_call_seconds(args.first_call_child)))
         return
     impls, wanted = args.impls.split(","), set(args.calls_to_time.split(","))
-    rows, first_calls, profile = [], {}, ""
-    for impl in impls:
-        for call, step in steps_for(impl, wanted).items():
-            try:
-                us = host_us_per_call(step, args.calls, args.repeats)
-            except Exception as exc:  # an anchor that cannot run this call keeps a row saying why
-                rows.append(dict(impl=impl, call=call, host_us=None, note=f"{type(exc).__name__}: {exc}"[:200]))
-                continue
-            rows.append(dict(impl=impl, call=call, host_us=round(us, 1)))
-            print(f"{impl:11s} {call:26s} {us:8.1f} us host per call", flush=True)
+    first_calls, profile = {}, ""
+    steps = {(impl, call): step for impl in impls for call, step in steps_for(impl, wanted).items()}
+    rows = rows_of(interleaved_host_us(steps, args.calls, args.repeats))
+    for row in rows:
+        ratios = "  ".join(f"{k} {row[k]:.2f}" for k in ("x_cudnn", "x_unvalidated") if k in row)
+        got = f"{row['host_us']:8.1f} us host per call" if row["host_us"] is not None else row["note"]
+        print(f"{row['impl']:11s} {row['call']:26s} {got}  {ratios}", flush=True)
     if args.profile and "exattn" in impls:
         profile = profile_text(prefill_steps("exattn")["fwd_bwd"], args.calls)
         print(profile)

@@ -142,3 +142,32 @@ def test_decode_with_a_known_signature_skips_the_checks_and_still_refuses_bad_in
         exattn.decode(q, k, v, cache_seqlens=lens, window=(8, 0), softcap=5.0, backend="triton", validate=1)
     with pytest.raises(ValueError, match="softcap"):
         exattn.decode(q, k, v, cache_seqlens=lens, window=(8, 0), softcap=-5.0, backend="triton")
+
+
+def test_kept_calls_take_their_replay_plans_and_give_the_checked_results():
+    """On CUDA the third call of a signature runs the plans its passes recorded (`backends/planned.py`),
+    forward and backward, and matches a checked call bitwise; on the CPU (no replay) nothing is planned."""
+    from exattn.backends.planned import PlannedPasses
+
+    results = []
+    for seed in (9, 10, 11):
+        q, k, v = qkv(seed, requires_grad=True)
+        out = exattn.attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    (_, passes), = checked_calls.KNOWN.values()
+    assert isinstance(passes, PlannedPasses) == (DEVICE == "cuda")
+    checked_calls.KNOWN.clear()
+    out = exattn.attention(q, k, v, causal=True)
+    q.grad = k.grad = v.grad = None
+    out.backward(torch.ones_like(out))
+    for got, want in zip(results[-1], (out.detach(), q.grad, k.grad, v.grad)):
+        assert torch.equal(got, want)
+
+
+def test_kept_decode_calls_take_their_replay_plan(monkeypatch):
+    q, k, v, lens = decode_case(12)
+    calls = [exattn.decode(q, k, v, cache_seqlens=lens, softcap=5.0, backend="triton") for _ in range(3)]
+    (_, kept), = checked_calls.KNOWN.values()
+    assert (kept is not None) == (DEVICE == "cuda")
+    assert torch.equal(calls[0], calls[2])

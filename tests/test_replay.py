@@ -369,3 +369,29 @@ def test_direct_launches_pass_the_launcher_what_triton_would_and_encode_a_base_o
             assert got.data_ptr() == want.data_ptr()
         else:
             assert got == want
+
+
+def test_a_kept_plan_is_the_recorded_one_and_current_until_a_clear_or_a_new_extra_key():
+    kernel = Kernel()
+    knob = {"value": 1}
+
+    @replay.replayable(lambda: knob["value"], lambda x, y, scale=1.0: scale > 0)
+    def add_pass(x, y, scale=1.0):
+        out = torch.empty_like(x)
+        replay.run_kernel(kernel, (1,), x, y, out, x.numel(), SCALE=scale)
+        return out
+
+    x, y = inputs()
+    assert add_pass.plan_for(x, y) is None  # nothing recorded yet
+    add_pass(x, y)
+    kept = add_pass.plan_for(*inputs())
+    assert kept.plan is next(iter(replay.PLANS.values())) and kept.current()
+    assert add_pass.plan_for(x, y, scale=-1.0) is None  # a call the pass would not replay
+    x2, y2 = inputs()
+    assert torch.equal(kept.plan.run([x2, y2]), x2 + y2) and kernel.jit_calls == 1
+    knob["value"] = 2
+    assert not kept.current()
+    knob["value"] = 1
+    assert kept.current()
+    replay.clear()
+    assert not kept.current()

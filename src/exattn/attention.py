@@ -8,6 +8,7 @@ import torch
 
 from .backends import BackendChoice, choose_backend, get_backend
 from .backends.autograd import fused_attention
+from .backends.planned import PlannedPasses, planned_passes
 from .checked_calls import call_signature, known_call, remember
 from .problem import make_problem
 
@@ -96,6 +97,10 @@ def attention(
         if known is not None:
             params, passes = known
             out, lse = fused_attention(passes, q, k, v, None, params)
+            if type(passes) is not PlannedPasses:
+                planned = planned_passes(passes, q, k, v, params)
+                if planned is not None:
+                    remember(signature, (params, planned))
             return (out, lse.to(torch.float32)) if return_lse else out
     problem = problem_from_args(
         q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n, segment_ids=segment_ids,

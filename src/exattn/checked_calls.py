@@ -2,10 +2,12 @@
 a later call with the same signature skips validation and the backend choice, and goes straight to the
 kernels' passes.
 
-A signature is what those depend on: the entry point, each tensor argument's shape, dtype and device
-(values are never read by validation), every other argument's type and value (True and 1 differ), and
-whether Triton runs in its interpreter (`TRITON_INTERPRET`). The entry points keep only calls whose
-checked form holds no tensor made for the call, outside `torch.compile`'s tracing.
+A signature is what those depend on: the entry point, each tensor argument's layout (values are never
+read by validation), every other argument's type and value (True and 1 differ), and whether Triton runs
+in its interpreter (`TRITON_INTERPRET`). The entry points keep only calls whose checked form holds no
+tensor made for the call, outside `torch.compile`'s tracing. A layout is what the kernels' launches are
+specialized on as well (shape, strides, dtype, device, 16-byte alignment), so what a call keeps may
+also hold the replay plans of its launches (`backends/planned.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 MAX_SIGNATURES = 256
+ALIGNMENT = 16  # bytes: Triton specializes pointers on it
 KNOWN: OrderedDict = OrderedDict()
 
 
@@ -26,7 +29,7 @@ def call_signature(entry: str, tensors: tuple, window, options: tuple) -> tuple 
     layout = []
     for x in tensors:
         if isinstance(x, torch.Tensor):
-            layout.append((x.shape, x.dtype, x.device))
+            layout.append(tensor_layout(x))
         elif x is None:
             layout.append(None)
         else:
@@ -39,6 +42,11 @@ def call_signature(entry: str, tensors: tuple, window, options: tuple) -> tuple 
     except TypeError:
         return None
     return key
+
+
+def tensor_layout(x: torch.Tensor) -> tuple:
+    """What a kernel launch is specialized on: shape, strides, dtype, device and 16-byte alignment."""
+    return x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % ALIGNMENT == 0
 
 
 def known_call(signature: tuple | None) -> Any:

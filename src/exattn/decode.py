@@ -415,11 +415,31 @@ def run_triton(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_triton_op(*op_args) -> tuple[torch.Tensor, torch.Tensor]:
     """`run_triton` for the arguments of `triton_op_args`."""
-    q, validate = op_args[0], op_args[-1]
+    raise_recorded(op_args[0], op_args[-1])
+    return launch_triton(*op_args)
+
+
+def raise_recorded(q: torch.Tensor, validate: bool) -> None:
     if validate:
         errors.raise_recorded(q.device)
         errors.device_record(q.device)  # made before any recording, so a replay writes to it too
-    return launch_triton(*op_args)
+
+
+def run_kept(signature, known, q, k_cache, v_cache, cache_seqlens, block_table, sinks, validate):
+    """A call whose signature `decode` checked before: `known` is (the checked options, the kept replay plan
+    of its launches or None), the plan taken once there is one (`checked_calls`)."""
+    options, kept = known
+    if kept is not None and kept.current():
+        raise_recorded(q, validate)
+        tensors = [q, k_cache, v_cache, cache_seqlens]
+        tensors += [x for x in (block_table, sinks) if x is not None]
+        return kept.plan.run(tensors)
+    op_args = (q, k_cache, v_cache, cache_seqlens, block_table, None, sinks, *options, validate)
+    result = run_triton_op(*op_args)
+    kept = replayed_plan_and_launch().plan_for(*op_args)
+    if kept is not None:
+        remember(signature, (options, kept))
+    return result
 
 
 def launch_triton(*op_args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -649,13 +669,13 @@ def decode(
                                    (scale, num_splits, validate, softcap, backend))
         known = known_call(signature)
         if known is not None:
-            out, lse = run_triton_op(q, k_cache, v_cache, cache_seqlens, block_table, None, sinks, *known, validate)
+            out, lse = run_kept(signature, known, q, k_cache, v_cache, cache_seqlens, block_table, sinks, validate)
             return (out, lse.to(torch.float32)) if return_lse else out
     problem = make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate,
                                   window, softcap, alibi_slopes, sinks)
     name = choose_decode_backend(problem, backend)
     if name == "triton" and q.shape[0] > 0:
-        remember(signature, (problem.scale, problem.num_splits, problem.window_left, problem.softcap))
+        remember(signature, ((problem.scale, problem.num_splits, problem.window_left, problem.softcap), None))
     if q.shape[0] == 0:
         out, lse = q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
     elif name == "triton" and torch.compiler.is_compiling():

@@ -153,7 +153,8 @@ def backend_settings():
 def replay_key() -> tuple:
     """What a replayed pass depends on beyond its arguments: the backend's settings."""
     settings = backend_settings()
-    return (settings.atomic_dq, settings.ordered_dq, settings.rotated_dq_order, settings.use_tma, settings.use_gluon)
+    return (settings.atomic_dq, settings.ordered_dq, settings.rotated_dq_order, settings.use_tma, settings.use_gluon,
+            settings.replay)
 
 
 def replays(tensor: torch.Tensor, dropout_p: float) -> bool:

@@ -27,8 +27,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ...checked_calls import tensor_layout
+
 MAX_PLANS = 256
-ALIGNMENT = 16  # bytes: Triton specializes pointers on it
 
 Tensor = torch.Tensor
 ALLOCATE = {torch.empty, torch.empty_like, torch.empty_strided, Tensor.new_empty}
@@ -458,10 +459,28 @@ PLANS: OrderedDict = OrderedDict()
 REFUSED: OrderedDict = OrderedDict()  # signatures whose pass cannot be replayed, and why
 
 
+GENERATION = 0  # counts `clear` calls: a plan kept outside PLANS (`KeptPlan`) is current only within one
+
+
 def clear() -> None:
-    """Forget every plan (after changing module-level knobs that the signature does not cover)."""
+    """Forget every plan (after changing module-level knobs that the signature does not cover), those kept
+    by callers (`KeptPlan`) too."""
+    global GENERATION
     PLANS.clear()
     REFUSED.clear()
+    GENERATION += 1
+
+
+class KeptPlan(NamedTuple):
+    """A plan held by a caller that keys it on a signature of its own covering the pass's (`exattn.checked_calls`):
+    it runs while `current()`, that is while no `clear` and no change of the pass's extra key came between."""
+
+    plan: Plan
+    stamp: tuple
+    stamp_now: Callable[[], tuple]
+
+    def current(self) -> bool:
+        return self.stamp == self.stamp_now()
 
 
 def signature_of(value, inputs: list[Tensor]):
@@ -469,7 +488,7 @@ def signature_of(value, inputs: list[Tensor]):
     among `value` (tensors, tuples, lists, named tuples) are appended to `inputs`, in order."""
     if isinstance(value, Tensor):
         inputs.append(value)
-        return value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % ALIGNMENT == 0
+        return tensor_layout(value)
     if isinstance(value, (tuple, list)):
         return type(value), tuple([signature_of(item, inputs) for item in value])
     return value
@@ -481,13 +500,26 @@ def replayable(extra_key: Callable[[], Any] | None = None, enabled: Callable[...
     made while another pass is being recorded (its launches belong to that recording)."""
 
     def decorate(run_pass):
+        def key_of(args: tuple, kwargs: dict, inputs: list[Tensor]) -> tuple:
+            return (run_pass, signature_of(args, inputs), signature_of(tuple(sorted(kwargs.items())), inputs),
+                    extra_key() if extra_key else None)
+
+        def stamp() -> tuple:
+            return GENERATION, extra_key() if extra_key else None
+
+        def plan_for(*args, **kwargs) -> KeptPlan | None:
+            """The plan these arguments replay, to keep (`KeptPlan`); None if there is none."""
+            if enabled is not None and not enabled(*args, **kwargs):
+                return None
+            plan = PLANS.get(key_of(args, kwargs, []))
+            return None if plan is None else KeptPlan(plan, stamp(), stamp)
+
         @functools.wraps(run_pass)
         def wrapper(*args, **kwargs):
             if getattr(LOCAL, "recorder", None) is not None or (enabled is not None and not enabled(*args, **kwargs)):
                 return run_pass(*args, **kwargs)
             inputs: list[Tensor] = []
-            key = (run_pass, signature_of(args, inputs), signature_of(tuple(sorted(kwargs.items())), inputs),
-                   extra_key() if extra_key else None)
+            key = key_of(args, kwargs, inputs)
             plan = PLANS.get(key)
             if plan is not None:
                 PLANS.move_to_end(key)
@@ -496,6 +528,7 @@ def replayable(extra_key: Callable[[], Any] | None = None, enabled: Callable[...
                 return run_pass(*args, **kwargs)
             return record(functools.partial(run_pass, *args, **kwargs), inputs, key)
 
+        wrapper.plan_for = plan_for
         return wrapper
 
     return decorate
