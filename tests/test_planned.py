@@ -46,6 +46,15 @@ def qkv():
     return (*inputs(), torch.randn(10))
 
 
+def planned_forward():
+    """(stand-in passes, their PlannedPasses, q, k, v, out, lse) after one recorded forward."""
+    passes = fresh()
+    q, k, v = qkv()
+    passes.forward(q, k, v, None, "params")
+    planned = planned_passes(passes, q, k, v, "params")
+    return passes, planned, q, k, v, *planned.forward(q, k, v, None, "params")
+
+
 def test_nothing_is_planned_before_the_passes_recorded_or_without_plans():
     passes = fresh()
     assert planned_passes(passes, *qkv(), "params") is None
@@ -71,11 +80,7 @@ def test_the_forward_plan_runs_without_the_passes_and_the_backward_plan_is_keyed
 
 
 def test_stale_plans_give_way_to_the_passes():
-    passes = fresh()
-    q, k, v = qkv()
-    passes.forward(q, k, v, None, "params")
-    planned = planned_passes(passes, q, k, v, "params")
-    out, lse = planned.forward(q, k, v, None, "params")
+    passes, planned, q, k, v, out, lse = planned_forward()
     for _ in range(2):
         planned.backward(torch.randn(10), q, k, v, None, out, lse, "params")
     replay.clear()
@@ -88,11 +93,7 @@ def test_stale_plans_give_way_to_the_passes():
 
 
 def test_backward_plans_are_bounded():
-    passes = fresh()
-    q, k, v = qkv()
-    passes.forward(q, k, v, None, "params")
-    planned = planned_passes(passes, q, k, v, "params")
-    out, lse = planned.forward(q, k, v, None, "params")
+    _, planned, q, k, v, out, lse = planned_forward()
     for step in range(MAX_BACKWARD_PLANS + 2):
         dout = torch.randn(10 * (step + 2))[:: step + 2]
         planned.backward(dout, q, k, v, None, out, lse, "params")

@@ -335,10 +335,13 @@ class VarlenAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.max_q, ctx.max_k, ctx.params, ctx.passes, ctx.rules = max_q, max_k, params, passes, rules
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zero tensor made for it
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # no gradient reached out: none to pass on
+            return (None,) * (9 if ctx.rules is None else 11)
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         rules = ctx.rules
         extra = {} if rules is None else {"rules": rules}

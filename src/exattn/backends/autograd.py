@@ -25,10 +25,13 @@ class RecomputingAttention(torch.autograd.Function):
         ctx.mask, ctx.params, ctx.passes, ctx.rules = mask, params, passes, rules
         ctx.inputs = 6 if rules is None else 8
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zero tensor made for it
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # no gradient reached out: none to pass on
+            return (None,) * ctx.inputs
         q, k, v, out, lse = ctx.saved_tensors
         extra = {} if ctx.rules is None else {"rules": ctx.rules}
         dq, dk, dv = ctx.passes.backward(dout, q, k, v, ctx.mask, out, lse, ctx.params, **extra)

@@ -529,10 +529,13 @@ class RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zero tensor made for it
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # no gradient reached out: none to pass on
+            return (None,) * 5
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         if plan.record_inputs:

@@ -206,10 +206,14 @@ class UlyssesAttention(torch.autograd.Function):
         ctx.graph = (leaves, out_h)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zero tensor made for it
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # no gradient reached out: none to pass on
+            ctx.graph = None
+            return (None,) * 5
         spec, ledger, world = ctx.spec, ctx.spec.ledger, ctx.spec.world
         seq, head = spec.seq_dim, spec.head_dim
         leaves, out_h = ctx.graph
