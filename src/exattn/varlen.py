@@ -39,7 +39,7 @@ from typing import Literal, NamedTuple, overload
 import torch
 
 from .backends import AUTO_PRIORITY, BackendChoice, check_backend_name
-from .backends.autograd import row_delta, wants_grad
+from .backends.autograd import no_gradients, returned_with_lse, row_delta, wants_grad
 from .backends.custom_ops import PACKED, define_attention_ops
 from .backends.naive import NaiveBackend
 from .backends.tiled import tiled_backward, tiled_forward
@@ -334,14 +334,12 @@ class VarlenAttention(torch.autograd.Function):
         out, lse = passes.forward(q, k, v, cu_q, cu_k, max_q, max_k, params, **extra)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.max_q, ctx.max_k, ctx.params, ctx.passes, ctx.rules = max_q, max_k, params, passes, rules
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zero tensor made for it
-        return out, lse
+        return returned_with_lse(ctx, out, lse)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:  # no gradient reached out: none to pass on
-            return (None,) * (9 if ctx.rules is None else 11)
+        if dout is None:
+            return no_gradients(ctx)
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         rules = ctx.rules
         extra = {} if rules is None else {"rules": rules}

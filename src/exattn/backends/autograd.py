@@ -24,14 +24,12 @@ class RecomputingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.params, ctx.passes, ctx.rules = mask, params, passes, rules
         ctx.inputs = 6 if rules is None else 8
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zero tensor made for it
-        return out, lse
+        return returned_with_lse(ctx, out, lse)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:  # no gradient reached out: none to pass on
-            return (None,) * ctx.inputs
+        if dout is None:
+            return no_gradients(ctx)
         q, k, v, out, lse = ctx.saved_tensors
         extra = {} if ctx.rules is None else {"rules": ctx.rules}
         dq, dk, dv = ctx.passes.backward(dout, q, k, v, ctx.mask, out, lse, ctx.params, **extra)
@@ -39,6 +37,20 @@ class RecomputingAttention(torch.autograd.Function):
         if ctx.rules is not None and ctx.rules.sinks is not None and ctx.needs_input_grad[7]:
             grads[7] = sinks_grad(ctx.rules.sinks, lse, row_delta(dout, out, lse.dtype))
         return tuple(grads)
+
+
+def returned_with_lse(ctx, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) as an attention Function's forward returns them: lse carries no gradient, and the
+    backward receives None for it rather than a zero tensor of its size that the engine would make and
+    fill every backward."""
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    return out, lse
+
+
+def no_gradients(ctx) -> tuple[None, ...]:
+    """The backward's result where no gradient reached out (its dout is None): none for any input."""
+    return (None,) * len(ctx.needs_input_grad)
 
 
 def row_delta(dout: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from ..algebra import NEG_INF, BlockSummary, empty_summary, finalize_, merge_
 from ..backends import get_backend
-from ..backends.autograd import row_delta
+from ..backends.autograd import no_gradients, returned_with_lse, row_delta
 from ..masks import sinks_grad
 from ..problem import (
     AttentionParams,
@@ -528,14 +528,12 @@ class RingAttention(torch.autograd.Function):
         out, lse = ring_forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zero tensor made for it
-        return out, lse
+        return returned_with_lse(ctx, out, lse)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:  # no gradient reached out: none to pass on
-            return (None,) * 5
+        if dout is None:
+            return no_gradients(ctx)
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         if plan.record_inputs:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..attention import attention as local_attention
 from ..attention import explain_backend
+from ..backends.autograd import no_gradients, returned_with_lse
 from ..problem import (
     ScoreRules,
     check_qkv,
@@ -205,15 +206,13 @@ class UlyssesAttention(torch.autograd.Function):
         ledger.step("ulysses forward")
         ctx.graph = (leaves, out_h)
         ctx.spec = spec
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zero tensor made for it
-        return out, lse
+        return returned_with_lse(ctx, out, lse)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:  # no gradient reached out: none to pass on
+        if dout is None:
             ctx.graph = None
-            return (None,) * 5
+            return no_gradients(ctx)
         spec, ledger, world = ctx.spec, ctx.spec.ledger, ctx.spec.world
         seq, head = spec.seq_dim, spec.head_dim
         leaves, out_h = ctx.graph
