@@ -377,9 +377,10 @@ VARLEN_CASES = [  # (lens_q, lens_k, rules)
 ]
 
 
-def check_varlen_rules(lens_q, lens_k, rules, dtype, backend="tiled", device="cpu", d=16, dv=8, seed=0, **tiles):
-    """attention_varlen with every rule (ALiBi slopes and sinks drawn here) through `backend` against
-    naive and the per-sequence float64 oracle: out, lse, dq, dk, dv, d sinks."""
+def check_varlen_rules(lens_q, lens_k, rules, dtype, backend="tiled", device="cpu", d=16, dv=8, seed=0,
+                       shared_slopes=False, **tiles):
+    """attention_varlen with every rule (ALiBi slopes, (B, Hq) or with shared_slopes (Hq,), and sinks drawn
+    here) through `backend` against naive and the per-sequence float64 oracle: out, lse, dq, dk, dv, d sinks."""
     gen = torch.Generator().manual_seed(seed)
     hq, hk, batch = 4, 2, len(lens_q)
 
@@ -390,7 +391,7 @@ def check_varlen_rules(lens_q, lens_k, rules, dtype, backend="tiled", device="cp
     dout = rand(sum(lens_q), hq, dv, dtype=torch.float64)
     float_rules = torch.float64 if dtype == torch.float64 else torch.float32
     sinks = rand(hq, dtype=float_rules)
-    rules = dict(rules, alibi_slopes=rand(batch, hq, dtype=float_rules).abs())
+    rules = dict(rules, alibi_slopes=rand(*(() if shared_slopes else (batch,)), hq, dtype=float_rules).abs())
     if isinstance(rules["prefix"], torch.Tensor):
         rules["prefix"] = rules["prefix"].to(device)
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -410,7 +411,8 @@ def check_varlen_rules(lens_q, lens_k, rules, dtype, backend="tiled", device="cp
             view = [x[r].transpose(0, 1).unsqueeze(0).double() for x, r in ((q, rq), (k, rk), (v, rk))]
             pre = prefix[b:b + 1] if isinstance(prefix, torch.Tensor) else prefix
             out, lse = attention_ref(*view, causal=rules["causal"], window=rules["window"], softcap=rules["softcap"],
-                                     alibi_slopes=rules["alibi_slopes"][b:b + 1], prefix=pre, sinks=sinks.double(),
+                                     alibi_slopes=rules["alibi_slopes"].expand(batch, hq)[b:b + 1], prefix=pre,
+                                     sinks=sinks.double(),
                                      return_lse=True)
             outs.append(out[0].transpose(0, 1))
             lses.append(lse[0])
@@ -427,6 +429,22 @@ def check_varlen_rules(lens_q, lens_k, rules, dtype, backend="tiled", device="cp
 @pytest.mark.parametrize("case", range(3))
 def test_varlen_rules_against_the_per_sequence_oracle(case, dtype):
     check_varlen_rules(*VARLEN_CASES[case], dtype, seed=case, block_m=4, block_n=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_varlen_rules_through_the_one_sequence_form(dtype, monkeypatch):
+    """Shared offsets of short sequences with softcap, a window, shared ALiBi slopes and sinks: the tiled passes
+    run them as one sequence with segment ids (`varlen.one_sequence`), forward and backward."""
+    from exattn import varlen
+
+    served = []
+    real = varlen.one_sequence
+    monkeypatch.setattr(varlen, "ONE_SEQUENCE_TILE_COST", 0)  # whatever its tiles cost
+    monkeypatch.setattr(varlen, "one_sequence", lambda *args: served.append(real(*args)) or served[-1])
+    lens = [5, 0, 17, 9]
+    check_varlen_rules(lens, lens, dict(softcap=2.0, prefix=None, causal=True, window=(6, -1)), dtype,
+                       shared_slopes=True, block_m=4, block_n=8)
+    assert len(served) == 2 and all(x is not None for x in served)
 
 
 @pytest.mark.gpu

@@ -7,11 +7,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import exattn
+from exattn import varlen as varlen_module
 from exattn.backends.naive import NaiveBackend
 from exattn.backends.tiled import tiled_forward
-from exattn.problem import AttentionParams, AttentionProblem
+from exattn.problem import AttentionParams, AttentionProblem, ScoreRules
 from exattn.reference import attention_ref
-from exattn.varlen import make_varlen_problem, triton_reasons
+from exattn.varlen import (
+    make_varlen_problem,
+    one_sequence,
+    one_sequence_tiles,
+    triton_reasons,
+)
 
 SEED = 1234
 
@@ -253,6 +259,51 @@ def test_strided_views_of_a_packed_qkv_buffer():
         return wide[:, 0]
 
     check(lens, lens, causal=True, transform=strided, tiles=(8, 8), backends=("tiled", "naive", "triton"))
+
+
+@pytest.mark.parametrize("form", ["one sequence", "sequence by sequence"])
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window=(3, 1)), dict(causal=True, softcap=2.0),
+                                    dict(causal=False, tiles=(8, 16))])
+def test_the_tiled_passes_take_short_sequences_as_one(form, kwargs, monkeypatch):
+    """Shared offsets of short sequences run as one sequence with segment ids (`varlen.one_sequence`),
+    forward and backward, and match the oracle as the loop over sequences does."""
+    monkeypatch.setattr(varlen_module, "ONE_SEQUENCE_TILE_COST", 0 if form == "one sequence" else 10**6)
+    served = []
+    real = varlen_module.one_sequence
+    monkeypatch.setattr(varlen_module, "one_sequence", lambda *args: served.append(real(*args)) or served[-1])
+    lens = [5, 0, 17, 9, 30, 1]
+    check(lens, lens, torch.float32, backends=("tiled",), **kwargs)
+    assert len(served) == 2 and all((x is not None) == (form == "one sequence") for x in served)
+
+
+@pytest.mark.parametrize("why", ["other key offsets", "dropout", "prefix", "per-sequence slopes", "long sequences",
+                                 "offsets short of the total"])
+def test_the_one_sequence_form_is_refused_where_it_cannot_serve(why, monkeypatch):
+    monkeypatch.setattr(varlen_module, "ONE_SEQUENCE_TILE_COST", 1.0)
+    offsets, params, rules = [0, 4, 4, 10], AttentionParams(scale=1.0), ScoreRules()
+    offsets_k, total = offsets, offsets[-1]
+    if why == "other key offsets":
+        offsets_k = [0, 5, 5, 10]
+    elif why == "dropout":
+        params = AttentionParams(scale=1.0, dropout_p=0.1, seed=1)
+    elif why == "prefix":
+        rules = ScoreRules(prefix=torch.ones(3, dtype=torch.int32))
+    elif why == "per-sequence slopes":
+        rules = ScoreRules(alibi_slopes=torch.rand(3, 4))
+    elif why == "long sequences":  # 2 sequences over 3 tiles of 128 rows and keys
+        offsets = offsets_k = [0, 130, 300]
+        total = offsets[-1]
+    else:
+        total = 12
+    assert one_sequence([0, 4, 4, 10], [0, 4, 4, 10], 10, AttentionParams(scale=1.0), None, "cpu") is not None
+    assert one_sequence(offsets, offsets_k, total, params, rules, "cpu") is None
+
+
+def test_one_sequence_tiles_count_the_key_tiles_each_row_tile_reaches():
+    offsets = [0, 3, 3, 5, 12, 20]  # tiles of 4: rows 0-3 reach keys 0-4, 4-7 keys 3-11, 8-11 keys 5-11, ...
+    assert one_sequence_tiles(offsets, 4, 4, causal=False) == 2 + 3 + 2 + 2 + 2
+    assert one_sequence_tiles(offsets, 4, 4, causal=True) == 1 + 2 + 2 + 1 + 2  # keys up to each tile's last row
+    assert one_sequence_tiles([0, 128, 256], 128, 128, causal=True) == 2
 
 
 def test_float64_grads_pass_gradcheck():

@@ -17,7 +17,9 @@ within the sequence); no query attends a key of another sequence. Packed
 The arguments are checked once, into a `VarlenProblem`. Backends:
 
 - "tiled": per sequence, (1, H, N, d) views of the packed tensors run through
-  the dense tiled passes (`backends/tiled.py`); one sequence's score tile at a time.
+  the dense tiled passes (`backends/tiled.py`), one score tile at a time; a batch of
+  many tiny sequences sharing query and key offsets as one sequence with segment ids
+  (`one_sequence`).
 - "naive": per sequence, the textbook formula in the input dtype.
 - "triton": the fused kernels (`exattn.backends.triton.varlen`), which read the
   offsets on the device: no host sync, the grid sized by `max_seqlen_*`.
@@ -30,6 +32,7 @@ pass over sequence `b` reads that padded grid through
 
 from __future__ import annotations
 
+import bisect
 import numbers
 import weakref
 from collections.abc import Callable
@@ -229,11 +232,10 @@ def sequence_view(x: torch.Tensor, rows: slice) -> torch.Tensor:
     return x[rows].transpose(0, 1).unsqueeze(0)
 
 
-def sequences(cu_q: torch.Tensor, cu_k: torch.Tensor):
-    """(b, query rows, key rows) of every sequence with queries and keys. Reads the offsets to
-    the host (a sync on a GPU): acceptable for the PyTorch paths, which loop on the host anyway.
-    A sequence with no queries or no keys is skipped: its rows keep zeros, lse -inf, zero grads."""
-    offsets_q, offsets_k = offsets_to_host(cu_q), offsets_to_host(cu_k)
+def sequences(offsets_q: list[int], offsets_k: list[int]):
+    """(b, query rows, key rows) of every sequence with queries and keys, from the offsets read to the
+    host (`offsets_to_host`: a sync on a GPU, acceptable for the PyTorch paths, which loop on the host
+    anyway). A sequence with no queries or no keys is skipped: its rows keep zeros, lse -inf, zero grads."""
     for b in range(len(offsets_q) - 1):
         rows_q = slice(offsets_q[b], offsets_q[b + 1])
         rows_k = slice(offsets_k[b], offsets_k[b + 1])
@@ -261,12 +263,72 @@ def empty_lse(rules: ScoreRules | None, heads_q: int, total_q: int, dtype, devic
     return rules.sinks.detach().to(dtype)[:, None].expand(heads_q, total_q).clone()
 
 
+# The tiled passes run a packed batch as one sequence with segment ids (`one_sequence`) where its sequences
+# number at least ONE_SEQUENCE_TILE_COST times the tiles that form computes (`one_sequence_tiles`), else
+# sequence by sequence. Causal forward + backward, 8k tokens, H = 8, d = 64, float32, 2-core CPU, 128-row
+# tiles: sequences of 16 / 32 tokens 266 -> 125 / 172 -> 129 ms; left to the loop by this rule: 64 tokens
+# 144 -> 121 ms, 96 tokens 120 -> 173 ms, log-uniform 16-128 145 -> 197 ms, 8-64 199 -> 186 ms (docs/varlen.md).
+ONE_SEQUENCE_TILE_COST = 2.5
+ONE_SEQUENCE_TILES = 128
+
+
+class OneSequence(NamedTuple):
+    """A packed batch as one (1, H, total, d) sequence: its params and its rules with segment ids."""
+
+    params: AttentionParams
+    rules: ScoreRules
+
+
+def one_sequence_tiles(offsets: list[int], block_m: int, block_n: int, causal: bool) -> int:
+    """The tiles the one-sequence form computes: for each row tile, the key tiles from the start of the
+    sequence holding its first row to the end of the one holding its last (to the diagonal under causal)."""
+    count, total = 0, offsets[-1]
+    for first_row in range(0, total, block_m):
+        last_row = min(first_row + block_m, total) - 1
+        start = offsets[bisect.bisect_right(offsets, first_row) - 1]
+        stop = offsets[bisect.bisect_left(offsets, last_row + 1)]
+        if causal:
+            stop = min(stop, last_row + 1)
+        count += (stop + block_n - 1) // block_n - start // block_n
+    return count
+
+
+def one_sequence(offsets_q: list[int], offsets_k: list[int], total_q: int, params: AttentionParams,
+                 rules: ScoreRules | None, device: torch.device) -> OneSequence | None:
+    """The batch as one sequence where that serves it and is measured faster (ONE_SEQUENCE_TILE_COST):
+    queries and keys share offsets that cover the tokens in order, no dropout (its keep-mask is read per
+    sequence), no prefix and no per-sequence ALiBi slopes; else None."""
+    lengths = [stop - start for start, stop in zip(offsets_q, offsets_q[1:])]
+    if (offsets_q != offsets_k or offsets_q[0] != 0 or offsets_q[-1] != total_q or total_q == 0
+            or min(lengths) < 0 or params.dropout_p > 0):
+        return None
+    rules = rules or ScoreRules()
+    if rules.prefix is not None or (rules.alibi_slopes is not None and rules.alibi_slopes.stride(0) != 0):
+        return None
+    tiles = replace(params, block_m=params.block_m or ONE_SEQUENCE_TILES, block_n=params.block_n or ONE_SEQUENCE_TILES)
+    causal = params.window[1] == 0
+    if sum(n > 0 for n in lengths) < ONE_SEQUENCE_TILE_COST * one_sequence_tiles(offsets_q, tiles.block_m,
+                                                                                  tiles.block_n, causal):
+        return None
+    ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
+                                  torch.tensor(lengths)).to(device)[None]
+    slopes = None if rules.alibi_slopes is None else rules.alibi_slopes[:1]
+    return OneSequence(tiles, ScoreRules(ids, ids, alibi_slopes=slopes, sinks=rules.sinks))
+
+
 def tiled_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: AttentionParams,
                          rules: ScoreRules | None = None):
     """out (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) in the compute dtype."""
+    offsets_q, offsets_k = offsets_to_host(cu_q), offsets_to_host(cu_k)
+    whole = one_sequence(offsets_q, offsets_k, q.shape[0], params, rules, q.device)
+    if whole is not None:
+        every = slice(None)
+        out, lse = tiled_forward(sequence_view(q, every), sequence_view(k, every), sequence_view(v, every), None,
+                                 whole.params, whole.rules)
+        return out[0].transpose(0, 1).contiguous(), lse[0]
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     lse = empty_lse(rules, q.shape[1], q.shape[0], compute_dtype(q.dtype), q.device)
-    for b, rows_q, rows_k in sequences(cu_q, cu_k):
+    for b, rows_q, rows_k in sequences(offsets_q, offsets_k):
         out_b, lse_b = tiled_forward(
             sequence_view(q, rows_q), sequence_view(k, rows_k), sequence_view(v, rows_k), None,
             sequence_params(params, b, max_q, max_k), sequence_rules(rules, b),
@@ -282,7 +344,15 @@ def tiled_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out
     dtype = compute_dtype(q.dtype)
     grads = tuple(torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
     dq, dk, dv = grads
-    for b, rows_q, rows_k in sequences(cu_q, cu_k):
+    offsets_q, offsets_k = offsets_to_host(cu_q), offsets_to_host(cu_k)
+    whole = one_sequence(offsets_q, offsets_k, q.shape[0], params, rules, q.device)
+    if whole is not None:
+        every = slice(None)
+        tiled_backward(*(sequence_view(x, every) for x in (dout, q, k, v)), None, sequence_view(out, every),
+                       lse.unsqueeze(0), whole.params,
+                       accumulate_into=tuple(sequence_view(g, every) for g in grads), rules=whole.rules)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    for b, rows_q, rows_k in sequences(offsets_q, offsets_k):
         tiled_backward(
             sequence_view(dout, rows_q), sequence_view(q, rows_q), sequence_view(k, rows_k),
             sequence_view(v, rows_k), None, sequence_view(out, rows_q), lse[:, rows_q].unsqueeze(0),
@@ -362,7 +432,7 @@ def naive_varlen(problem: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v, params = problem.q, problem.k, problem.v, problem.params
     out = q.new_zeros(problem.total_q, problem.heads_q, problem.value_dim)
     lse = empty_lse(problem.rules, problem.heads_q, problem.total_q, torch.float32, q.device)
-    for b, rows_q, rows_k in sequences(problem.cu_seqlens_q, problem.cu_seqlens_k):
+    for b, rows_q, rows_k in sequences(offsets_to_host(problem.cu_seqlens_q), offsets_to_host(problem.cu_seqlens_k)):
         dense = AttentionProblem(
             sequence_view(q, rows_q), sequence_view(k, rows_k), sequence_view(v, rows_k), None,
             sequence_params(params, b, problem.max_seqlen_q, problem.max_seqlen_k), sequence_rules(problem.rules, b),
