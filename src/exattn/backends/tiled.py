@@ -217,9 +217,11 @@ class TileContext:
         return ruled.reshape(scores.shape)
 
     def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a @ b in a second buffer of a score tile's size, reused by every tile (the backward's dP)."""
-        if self.spare is None:
-            self.spare = torch.empty_like(self.buffer)
+        """a @ b in a second buffer, at least a score tile's size, reused by every tile (the backward's dP,
+        then its dQ tile)."""
+        size = math.prod(a.shape[:-1]) * b.shape[-1]
+        if self.spare is None or self.spare.numel() < size:
+            self.spare = torch.empty(max(size, self.buffer.numel()), dtype=self.dtype, device=self.device)
         return product_into(self.spare, a, b)
 
     def dropout_weights(self, rows: range, cols: range) -> torch.Tensor | None:
@@ -296,6 +298,9 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accum
     for cols in spans(0, ctx.len_k, ctx.block_n):
         c = slice(cols.start, cols.stop)
         k_tile, v_tile = k[:, :, c].to(ctx.dtype), v[:, :, c].to(ctx.dtype)
+        # dK and dV of this key tile gather in contiguous tiles (one batched GEMM a product: into a
+        # strided slice of dk the CPU's baddbmm runs a GEMM per head)
+        dk_tile, dv_tile = torch.zeros_like(k_tile), torch.zeros_like(v_tile)
         for rows in ctx.query_spans(cols):
             q_tile, do_tile = ctx.stack(q5, rows), ctx.stack(do5, rows)
             softcap_grad = ctx.softcap_grad_tile((*q_tile.shape[:-1], len(cols)))
@@ -303,15 +308,17 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accum
             exp_(probs.sub_(ctx.stack(lse5, rows)))
             weights = ctx.dropout_weights(rows, cols)
             dropped = probs if weights is None else probs * weights
-            add_matmul_(dv[:, :, c], dropped.transpose(-1, -2), do_tile)
+            add_matmul_(dv_tile, dropped.transpose(-1, -2), do_tile)
             dprobs = ctx.product(do_tile, v_tile.transpose(-1, -2))
             if weights is not None:
                 dprobs.mul_(weights)
             dscores = probs.mul_(dprobs.sub_(ctx.stack(delta5, rows))).mul_(params.scale)
             if softcap_grad is not None:
                 dscores.mul_(softcap_grad)
-            add_matmul_(dq5[..., rows.start:rows.stop, :], dscores, k_tile)
-            add_matmul_(dk[:, :, c], dscores.transpose(-1, -2), q_tile)
+            dq5[..., rows.start:rows.stop, :] += ctx.unstack(ctx.product(dscores, k_tile), rows)
+            add_matmul_(dk_tile, dscores.transpose(-1, -2), q_tile)
+        dk[:, :, c] += dk_tile
+        dv[:, :, c] += dv_tile
     if accumulate_into is not None:
         return accumulate_into
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
