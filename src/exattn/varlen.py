@@ -316,15 +316,21 @@ def one_sequence(offsets_q: list[int], offsets_k: list[int], total_q: int, param
     return OneSequence(tiles, ScoreRules(ids, ids, alibi_slopes=slopes, sinks=rules.sinks))
 
 
+EVERY = slice(None)  # every row of a packed tensor: the batch as one sequence
+
+
+def tiled_plan(cu_q, cu_k, q, params: AttentionParams, rules: ScoreRules | None):
+    """(host offsets of queries, of keys, the batch as one sequence or None) for the tiled passes."""
+    offsets_q, offsets_k = offsets_to_host(cu_q), offsets_to_host(cu_k)
+    return offsets_q, offsets_k, one_sequence(offsets_q, offsets_k, q.shape[0], params, rules, q.device)
+
+
 def tiled_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: AttentionParams,
                          rules: ScoreRules | None = None):
     """out (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) in the compute dtype."""
-    offsets_q, offsets_k = offsets_to_host(cu_q), offsets_to_host(cu_k)
-    whole = one_sequence(offsets_q, offsets_k, q.shape[0], params, rules, q.device)
+    offsets_q, offsets_k, whole = tiled_plan(cu_q, cu_k, q, params, rules)
     if whole is not None:
-        every = slice(None)
-        out, lse = tiled_forward(sequence_view(q, every), sequence_view(k, every), sequence_view(v, every), None,
-                                 whole.params, whole.rules)
+        out, lse = tiled_forward(*(sequence_view(x, EVERY) for x in (q, k, v)), None, whole.params, whole.rules)
         return out[0].transpose(0, 1).contiguous(), lse[0]
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     lse = empty_lse(rules, q.shape[1], q.shape[0], compute_dtype(q.dtype), q.device)
@@ -344,13 +350,11 @@ def tiled_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out
     dtype = compute_dtype(q.dtype)
     grads = tuple(torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
     dq, dk, dv = grads
-    offsets_q, offsets_k = offsets_to_host(cu_q), offsets_to_host(cu_k)
-    whole = one_sequence(offsets_q, offsets_k, q.shape[0], params, rules, q.device)
+    offsets_q, offsets_k, whole = tiled_plan(cu_q, cu_k, q, params, rules)
     if whole is not None:
-        every = slice(None)
-        tiled_backward(*(sequence_view(x, every) for x in (dout, q, k, v)), None, sequence_view(out, every),
+        tiled_backward(*(sequence_view(x, EVERY) for x in (dout, q, k, v)), None, sequence_view(out, EVERY),
                        lse.unsqueeze(0), whole.params,
-                       accumulate_into=tuple(sequence_view(g, every) for g in grads), rules=whole.rules)
+                       accumulate_into=tuple(sequence_view(g, EVERY) for g in grads), rules=whole.rules)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     for b, rows_q, rows_k in sequences(offsets_q, offsets_k):
         tiled_backward(
