@@ -9,6 +9,7 @@ backward, medians of --rounds interleaved rounds of `triton.testing.do_bench`, a
 beyond its outputs and lse as a fraction of the inputs.
 
     PYTHONPATH=src python3 benchmarks/masks.py --out benchmarks/results/masks-h200.json
+    python3 benchmarks/masks.py --table benchmarks/results/masks-h200.json   # the docs table
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ PREFIX, SOFTCAP, WINDOW = 1024, 50.0, 4096
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", metavar="JSON", help="print the docs table of a results file and exit")
     p.add_argument("--seqlen", type=int, default=16384)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
@@ -150,8 +152,35 @@ def extra_memory_fraction(rule: str, args) -> float:
     return extra / sum(x.numel() * x.element_size() for x in inputs[:3])
 
 
+LABELS = {"plain": "plain (Gluon)", "segment_ids": "segment ids, log-uniform 128–8192", "prefix": "prefix 1024",
+          "softcap": "softcap 50", "alibi_slopes": "ALiBi", "sinks": "sinks, 4k window"}
+
+
+def table(rows) -> str:
+    """The docs table: exattn's useful TFLOP/s with each rule, over its plain call's and over Flex's."""
+    found = {(r["impl"], r["rule"]): r for r in rows}
+
+    def ratio(a, b, key):
+        return f"{a[key] / b[key]:.2f}" if a.get(key) and b.get(key) else "–"
+
+    lines = ["| rule | exattn fwd | × plain | × Flex | exattn bwd | × plain | × Flex |", "|---|---|---|---|---|---|---|"]
+    plain = found.get(("exattn", "plain"), {})
+    for rule in RULES:
+        ours, flex = found.get(("exattn", rule), {}), found.get(("flex", rule), {})
+        if not ours.get("fwd_tflops"):
+            lines.append(f"| {LABELS[rule]} | {ours.get('error') or 'not run'} | | | | | |")
+            continue
+        lines.append(f"| {LABELS[rule]} | {ours['fwd_tflops']:.0f} | {ratio(ours, plain, 'fwd_tflops')} | "
+                     f"{ratio(ours, flex, 'fwd_tflops')} | {ours['bwd_tflops']:.0f} | {ratio(ours, plain, 'bwd_tflops')} | "
+                     f"{ratio(ours, flex, 'bwd_tflops')} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())["rows"]))
+        return
     rows = []
     for rule in args.rules.split(","):
         impls = ["exattn", "flex"]

@@ -69,8 +69,9 @@ def test_docs_table_has_a_column_per_page_size_and_table_mode(tmp_path):
 
 def test_rule_rows_carry_the_rule_the_keys_read_and_the_plain_kernels_speed(monkeypatch, tmp_path):
     """A window reads min(context, 4097) keys a sequence and its TB/s counts those; every rule row holds the
-    plain kernel's TB/s of the same rounds and the ratio to it."""
-    times = iter([2.0, 1.0, 4.0])  # ms of plain, window, softcap: one round, in that order
+    plain kernel's TB/s of the same rounds and the ratio to it, the window's row also the ratio to the plain
+    kernel over a cache of 4097 keys."""
+    times = iter([2.0, 1.0, 4.0, 0.8])  # ms of plain, window, softcap, plain over 4097 keys: one round
     monkeypatch.setattr(bench, "time_calls", lambda calls, device: (next(times), "host clock"))
     monkeypatch.setattr(bench, "copies_for", lambda batch, context: 1)
     monkeypatch.setattr(bench, "HEADS_Q", 8)
@@ -87,6 +88,9 @@ def test_rule_rows_carry_the_rule_the_keys_read_and_the_plain_kernels_speed(monk
     assert window["keys"] == 4097 and window["tbps"] == pytest.approx(bench.kv_bytes(1, 4097) / 1e-3 / 1e12)
     assert window["plain_tbps"] == pytest.approx(plain_tbps)
     assert window["vs_plain"] == pytest.approx(4097 / 5000 * 2)
+    assert window["plain_same_keys_tbps"] == pytest.approx(bench.kv_bytes(1, 4097) / 0.8e-3 / 1e12)
+    assert window["vs_plain_same_keys"] == pytest.approx(0.8)
+    assert "vs_plain_same_keys" not in by_rule["softcap"]
     assert by_rule["softcap"]["vs_plain"] == pytest.approx(0.5)
     assert rows.get("exattn", 1, 5000) is None, "rule rows must not stand in for the main table's rows"
     assert json.loads((tmp_path / "rows.json").read_text())[1]["rule"] == "window"

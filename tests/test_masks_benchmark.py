@@ -1,5 +1,6 @@
 """benchmarks/masks.py's pair counts and rule keywords (the timing itself needs a GPU)."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -36,3 +37,20 @@ def test_keywords_are_what_exattn_takes():
         kw = masks.keywords(rule, 300, 2, "cpu")
         assert exattn.attention(q, q, q, causal=True, **kw).shape == q.shape
     assert masks.alibi_slopes(8)[0] == 0.5
+
+
+def test_table_gives_each_rule_over_the_plain_call_and_over_flex(tmp_path, capsys):
+    rows = [dict(impl="exattn", rule="plain", fwd_tflops=600.0, bwd_tflops=500.0),
+            dict(impl="flex", rule="plain", fwd_tflops=400.0, bwd_tflops=250.0),
+            dict(impl="exattn", rule="softcap", fwd_tflops=450.0, bwd_tflops=400.0),
+            dict(impl="flex", rule="softcap", error="failed: OutOfMemoryError"),
+            dict(impl="exattn", rule="prefix", error="failed: RuntimeError")]
+    lines = masks.table(rows).splitlines()
+    assert lines[2] == "| plain (Gluon) | 600 | 1.00 | 1.50 | 500 | 1.00 | 2.00 |"
+    assert "| softcap 50 | 450 | 0.75 | – | 400 | 0.80 | – |" in lines
+    assert "| prefix 1024 | failed: RuntimeError | | | | | |" in lines
+    assert "| ALiBi | not run | | | | | |" in lines
+    path = tmp_path / "masks.json"
+    path.write_text(json.dumps({"meta": {}, "rows": rows}))
+    masks.main(["--table", str(path)])
+    assert capsys.readouterr().out.splitlines() == lines

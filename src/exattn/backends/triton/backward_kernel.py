@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .tile_io import (
-    head_slice, head_tile_pointers, load_head_tile, load_source_tile, load_tile, store_tile, tile_pointers,
-    tile_source, tile_walk,
+    head_slice, head_tile_pointers, load_head_tile, load_source_tile, load_tile, slice_offset, store_tile,
+    tile_pointers, tile_source, tile_walk,
 )
 from .tiles import (
     LOG2E, dropout_keep, masked_scores, query_row_tile, row_slope, score_mods, sequence_prefix, sequence_span,
@@ -140,7 +140,7 @@ def dkdv_segment(
 
 @triton.jit
 def dkdv_head(
-    dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides, mask_strides,
+    dk, dv, k, v, Q, DO, Q_DESC, DO_DESC, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides, mask_strides,
     b, h, heads_q, segments, cols, offs_m, offs_d, offs_dv, len_q, len_k, left, right,
     scale_log2, seed, dropout_p, keep_scale, q_start, stats_head_stride, drop_rows, drop_cols,
     ALIBI, alibi_strides, softcap2, prefix, seg_keys, seg_q_base, seg_q_stride,
@@ -151,13 +151,10 @@ def dkdv_head(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
 ):
     """Add every query tile of query head h: masked edge, full, masked diagonal / tail runs."""
-    q_base, qs = head_slice(Q, q_strides, b, h)
-    do_base, dos = head_slice(DO, do_strides, b, h)
-    if VARLEN:
-        q_base += q_start * qs[0]
-        do_base += q_start * dos[0]
-    q_src = tile_source(q_base, qs, len_q, D, BLOCK_M, BLOCK_D, USE_TMA)
-    do_src = tile_source(do_base, dos, len_q, DV, BLOCK_M, BLOCK_DV, USE_TMA)
+    qs, dos = (q_strides[2], q_strides[3]), (do_strides[2], do_strides[3])
+    q_src = tile_source(Q, slice_offset(q_strides, b, h, q_start), qs, len_q, D, BLOCK_M, BLOCK_D, USE_TMA, Q_DESC)
+    do_src = tile_source(DO, slice_offset(do_strides, b, h, q_start), dos, len_q, DV, BLOCK_M, BLOCK_DV, USE_TMA,
+                         DO_DESC)
     dq_base, dqs = head_slice(DQ_ACC, dq_strides, b, h)
     mask_base, ms = head_slice(MASK, mask_strides, b, h)
     if VARLEN:
@@ -192,7 +189,7 @@ def dkdv_head(
 @triton.jit(do_not_specialize=["seed"])
 def attention_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DVAL, DQ_ACC, MASK, CU_Q, CU_K, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES,
-    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, mask_strides,
+    Q_DESC, DO_DESC, q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, mask_strides,
     alibi_strides, seg_q_strides, seg_k_strides, heads_q, group, len_q, len_k, num_col_tiles, stats_head_stride, softcap2, scale_log2,
     scale, left, right,
     dropout_p, keep_scale, seed,
@@ -206,7 +203,8 @@ def attention_dkdv_kernel(
     """Grid: (num_col_tiles * B * Hk,). DK, DVAL: (B, Hk, Nk, D/Dv) in k's dtype (float32 with ACCUMULATE).
 
     DQ_ACC: float32 (B, Hq, Nq, D), written only with ATOMIC_DQ. VARLEN: as the forward kernel,
-    with LSE and DELTA (Hq, total_q) of head stride stats_head_stride.
+    with LSE and DELTA (Hq, total_q) of head stride stats_head_stride. Q_DESC, DO_DESC: the host's
+    descriptors with USE_TMA = 2 (`tile_io`).
     """
     pid = tl.program_id(0)
     heads_k = heads_q // group
@@ -247,7 +245,7 @@ def attention_dkdv_kernel(
     seg_keys = segment_ids(SEG_K, seg_k_strides, b, cols, len_k, -2, HAS_SEGMENTS)
     for g in range(0, group):
         dk, dv = dkdv_head(
-            dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides,
+            dk, dv, k, v, Q, DO, Q_DESC, DO_DESC, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides,
             mask_strides, b, hk * group + g, heads_q, (lo, full_lo, full_hi, hi), cols, offs_m,
             offs_d, offs_dv, len_q, len_k, left, right, scale_log2, seed, dropout_p, keep_scale,
             q_start, stats_head_stride, drop_rows, drop_cols, ALIBI, alibi_strides, softcap2, prefix, seg_keys,
@@ -314,7 +312,7 @@ def dq_segment(
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES,
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES, K_DESC, V_DESC,
     q_strides, k_strides, v_strides, do_strides, dq_strides, mask_strides, alibi_strides, seg_q_strides, seg_k_strides,
     heads_q, group, len_q, len_k, num_row_tiles, stats_head_stride, softcap2, scale_log2, scale, left, right,
     dropout_p, keep_scale, seed,
@@ -327,10 +325,11 @@ def attention_dq_kernel(
 ):
     """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype (float32 with ACCUMULATE).
 
-    VARLEN: as the dK/dV kernel."""
+    VARLEN: as the dK/dV kernel. K_DESC, V_DESC: the host's descriptors with USE_TMA = 2 (`tile_io`)."""
     b, h, hk, m0 = query_row_tile(tl.program_id(0), num_row_tiles, heads_q, group, BLOCK_M, HEAVY_FIRST)
     drop_rows = len_q
     drop_cols = len_k
+    k_start = 0
     if VARLEN:
         q_start, len_q = sequence_span(CU_Q, b)
         k_start, len_k = sequence_span(CU_K, b)
@@ -339,8 +338,6 @@ def attention_dq_kernel(
         Q += q_start * q_strides[2]
         DO += q_start * do_strides[2]
         DQ += q_start * dq_strides[2]
-        K += k_start * k_strides[2]
-        V += k_start * v_strides[2]
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -356,10 +353,9 @@ def attention_dq_kernel(
             segment_ids(SEG_Q, seg_q_strides, b, rows, len_q, -1, HAS_SEGMENTS), SEG_K + b * seg_k_strides[0],
             seg_k_strides[1])
     lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, len_q, True)
-    k_base, ks = head_slice(K, k_strides, b, hk)
-    v_base, vs = head_slice(V, v_strides, b, hk)
-    k_src = tile_source(k_base, ks, len_k, D, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = tile_source(v_base, vs, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA)
+    ks, vs = (k_strides[2], k_strides[3]), (v_strides[2], v_strides[3])
+    k_src = tile_source(K, slice_offset(k_strides, b, hk, k_start), ks, len_k, D, BLOCK_N, BLOCK_D, USE_TMA, K_DESC)
+    v_src = tile_source(V, slice_offset(v_strides, b, hk, k_start), vs, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA, V_DESC)
     mask_base, ms = head_slice(MASK, mask_strides, b, h)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = tile_segments(

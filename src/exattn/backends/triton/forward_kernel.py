@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .tile_io import (
-    head_slice, load_source_tile, load_tile, store_tile, tile_pointers, tile_source, tile_walk,
+    head_slice, load_source_tile, load_tile, slice_offset, store_tile, tile_pointers, tile_source, tile_walk,
 )
 from .tiles import (
     LOG2E, add_sink, dropout_keep, finalize, masked_scores, query_row_tile, row_slope, score_mods, sequence_prefix,
@@ -80,7 +80,8 @@ def forward_segment(
 
 @triton.jit(do_not_specialize=["seed"])
 def attention_forward_kernel(
-    Q, K, V, O, LSE, MASK, CU_Q, CU_K, SINKS, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES, q_strides, k_strides, v_strides, o_strides,
+    Q, K, V, O, LSE, MASK, CU_Q, CU_K, SINKS, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES, Q_DESC, K_DESC, V_DESC,
+    q_strides, k_strides, v_strides, o_strides,
     mask_strides, alibi_strides, seg_q_strides, seg_k_strides, heads_q, group, len_q, len_k, num_row_tiles, lse_head_stride, softcap2,
     scale_log2, left, right, dropout_p, keep_scale, seed, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -96,11 +97,13 @@ def attention_forward_kernel(
     CU_K[b]:CU_K[b+1] of K and V; len_q, len_k are the longest lengths (the dropout grid's),
     and LSE is (Hq, total_q) with head stride lse_head_stride. Score rules: softcap2 = softcap * log2 e
     (HAS_SOFTCAP), ALiBi slopes at ALIBI with (batch, head) strides (HAS_ALIBI), one sink logit a query
-    head at SINKS (HAS_SINKS).
+    head at SINKS (HAS_SINKS). Q_DESC, K_DESC, V_DESC: the host's descriptors with USE_TMA = 2 (`tile_io`).
     """
     b, h, hk, m0 = query_row_tile(tl.program_id(0), num_row_tiles, heads_q, group, BLOCK_M, HEAVY_FIRST)
     drop_rows = len_q
     drop_cols = len_k
+    q_start = 0
+    k_start = 0
     if VARLEN:
         q_start, len_q = sequence_span(CU_Q, b)
         k_start, len_k = sequence_span(CU_K, b)
@@ -111,19 +114,18 @@ def attention_forward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q_base, q_rc = head_slice(Q, q_strides, b, h)
-    k_base, kv_strides = head_slice(K, k_strides, b, hk)
-    v_base, vv_strides = head_slice(V, v_strides, b, hk)
-    if VARLEN:
-        q_base += q_start * q_rc[0]
-        k_base += k_start * kv_strides[0]
-        v_base += k_start * vv_strides[0]
+    q_rc, kv_strides, vv_strides = (q_strides[2], q_strides[3]), (k_strides[2], k_strides[3]), (v_strides[2],
+                                                                                                 v_strides[3])
+    q_offset = slice_offset(q_strides, b, h, q_start)
     if USE_TMA:
-        q = tile_source(q_base, q_rc, len_q, D, BLOCK_M, BLOCK_D, True).load([m0, 0])
+        q_src = tile_source(Q, q_offset, q_rc, len_q, D, BLOCK_M, BLOCK_D, USE_TMA, Q_DESC)
+        q = load_source_tile(q_src, m0, rows, len_q, offs_d, D, BLOCK_D, True, USE_TMA)
     else:
-        q = load_tile(tile_pointers(q_base, q_rc, rows, offs_d), rows, len_q, offs_d, D, BLOCK_D, True)
-    k_src = tile_source(k_base, kv_strides, len_k, D, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = tile_source(v_base, vv_strides, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA)
+        q = load_tile(tile_pointers(Q + q_offset, q_rc, rows, offs_d), rows, len_q, offs_d, D, BLOCK_D, True)
+    k_src = tile_source(K, slice_offset(k_strides, b, hk, k_start), kv_strides, len_k, D, BLOCK_N, BLOCK_D, USE_TMA,
+                        K_DESC)
+    v_src = tile_source(V, slice_offset(v_strides, b, hk, k_start), vv_strides, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA,
+                        V_DESC)
     mask_base, mask_rc = head_slice(MASK, mask_strides, b, h)
     drop_base = (b * heads_q + h) * drop_rows
     mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI), sequence_prefix(PREFIX, b, HAS_PREFIX),

@@ -118,6 +118,58 @@ def can_use_tma(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def host_descriptor_fits(x: torch.Tensor, strides: tuple[int, ...], heads: int, dim: int, block_cols: int) -> bool:
+    """Whether one host descriptor over `x` as a 2-D (rows, row stride) matrix serves every (b, h) slice of
+    its kernel view (`strides`: (batch, head, row, col)): unit columns, no padded head dim (a box wider
+    than the head would read its neighbour's columns), batch strides whole rows, and each head either
+    whole rows or columns inside one row (token-major and packed-qkv layouts); coordinates in int32."""
+    row = strides[2]
+    if dim != block_cols or strides[3] != 1 or row <= 0 or strides[0] % row or last_element(x) >= row * 2**31:
+        return False
+    return heads == 1 or strides[1] % row == 0 or 0 < strides[1] and (heads - 1) * strides[1] + dim <= row
+
+
+def host_descriptor(x: torch.Tensor, row_stride: int, block_rows: int, block_cols: int):
+    """A host TMA descriptor over `x` as a 2-D matrix of `row_stride` columns, as many rows as reach its
+    last element (later rows read zero), [block_rows, block_cols] boxes (`tile_io`, USE_TMA = 2)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = last_element(x) // row_stride + 1
+    return TensorDescriptor(x, [rows, row_stride], [row_stride, 1], [block_rows, block_cols])
+
+
+def last_element(x: torch.Tensor) -> int:
+    """Offset of x's last element from its first (x not empty)."""
+    return sum((n - 1) * stride for n, stride in zip(x.shape, x.stride()))
+
+
+# Host descriptors against descriptors built in the kernel (H200, bf16, 16k tokens, one A/B run of 3
+# interleaved rounds): the Triton backward 1.01-1.10x at d = 64 packed, 1.11-1.18x dense at 512 tokens;
+# at d = 128 0.97x packed full attention (0.88x causal, which the Gluon backward serves there) and
+# 0.91-1.03x dense. Packed problems take them at every head dim all the same: their in-kernel
+# descriptors need scratch for every program of a grid the longest sequence sizes (docs/triton.md).
+HOST_DESCRIPTOR_MAX_DENSE_DIM = 64
+
+
+def tma_mode(packed: bool, *views: tuple[torch.Tensor, tuple[int, ...], int, int, int]) -> int:
+    """The kernels' USE_TMA for the `views` they read by tiles, each (tensor, kernel strides, heads, dim,
+    padded dim): 2, host descriptors, for packed problems and dense ones up to
+    HOST_DESCRIPTOR_MAX_DENSE_DIM, where `host_descriptor_fits` each; 1, descriptors built in the
+    kernel; 0, pointers (`can_use_tma`)."""
+    if not can_use_tma(*(view[0] for view in views)):
+        return 0
+    preferred = packed or max(view[3] for view in views) <= HOST_DESCRIPTOR_MAX_DENSE_DIM
+    return 2 if preferred and all(host_descriptor_fits(*view) for view in views) else 1
+
+
+def tile_descriptors(use_tma: int, *loads: tuple[torch.Tensor, tuple[int, ...], int, int]) -> list:
+    """The host descriptors of `loads`, each (tensor, kernel strides, block rows, block cols), with
+    USE_TMA = 2; else Nones (the kernels' placeholders)."""
+    if use_tma != 2:
+        return [None] * len(loads)
+    return [host_descriptor(x, strides[2], rows, cols) for x, strides, rows, cols in loads]
+
+
 def on_device(x: torch.Tensor):
     """Launch on x's GPU (Triton launches on the current device)."""
     return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
@@ -270,15 +322,21 @@ def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | No
     num_tiles = ceil_div(len_q, cfg.block_m)
     (q, q_strides), (k, k_strides), (v, v_strides), (out, o_strides) = (
         kernel_view(x, packing) for x in (q, k, v, out))
+    block_d, block_dv = padded_dim(dim), padded_dim(dim_v)
+    use_tma = tma_mode(packing is not None, (q, q_strides, heads_q, dim, block_d), (k, k_strides, heads_k, dim, block_d),
+                       (v, v_strides, heads_k, dim_v, block_dv))
+    descriptors = tile_descriptors(use_tma, (q, q_strides, cfg.block_m, block_d), (k, k_strides, cfg.block_n, block_d),
+                                   (v, v_strides, cfg.block_n, block_dv))
     run_kernel(attention_forward_kernel, grid_of(num_tiles, batch * heads_q),
         q, k, v, out, lse, mask_arg, *packing_args(q, packing)[:2], q_strides=q_strides, k_strides=k_strides,
         v_strides=v_strides, o_strides=o_strides, mask_strides=mask_strides, heads_q=heads_q,
         group=heads_q // heads_k, len_q=len_q, len_k=len_k, num_row_tiles=num_tiles,
         lse_head_stride=packing_args(q, packing)[2], SEG_RANGES=segment_ranges(rules, q, cfg.block_m, cfg.block_n),
+        Q_DESC=descriptors[0], K_DESC=descriptors[1], V_DESC=descriptors[2],
         **rule_kernel_args, **rule_flags, **scalar_args(params),
         D=dim, DV=dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v), MASK_KIND=mask_kind,
-        USE_TMA=can_use_tma(q, k, v), HEAVY_FIRST=heavy_first(params),
+        BLOCK_D=block_d, BLOCK_DV=block_dv, MASK_KIND=mask_kind,
+        USE_TMA=use_tma, HEAVY_FIRST=heavy_first(params),
         WARP_SPECIALIZE=use_ws, VARLEN=packing is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **flags,
     )
@@ -330,8 +388,12 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
     flags = kernel_flags(q, params)
     scalars = dict(scalar_args(params), scale=params.scale)
-    use_tma = can_use_tma(q, k, v, dout)
-    dims = dict(D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v))
+    block_d, block_dv = padded_dim(dim), padded_dim(dim_v)
+    (q_view, q_strides), (do_view, do_strides), (k_view, k_strides), (v_view, v_strides) = (
+        kernel_view(x, packing) for x in (q, dout, k, v))
+    use_tma = tma_mode(packing is not None, (q_view, q_strides, heads_q, dim, block_d), (do_view, do_strides, heads_q, dim_v, block_dv),
+                       (k_view, k_strides, heads_k, dim, block_d), (v_view, v_strides, heads_k, dim_v, block_dv))
+    dims = dict(D=dim, DV=dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv)
     group = heads_q // heads_k
     if accumulate:
         dq, dk, dv = accumulate_into
@@ -348,7 +410,9 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     run_kernel(attention_dkdv_kernel, grid_of(col_tiles, batch * heads_k),
         q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"],
         rule_kernel_args["PREFIX"], rule_kernel_args["SEG_Q"], rule_kernel_args["SEG_K"],
-        segment_ranges(rules, q, cfg.block_n, cfg.block_m, keys_first=True), *strides,
+        segment_ranges(rules, q, cfg.block_n, cfg.block_m, keys_first=True),
+        *tile_descriptors(use_tma, (q, q_strides, cfg.block_m, block_d), (dout, do_strides, cfg.block_m, block_dv)),
+        *strides,
         mask_strides, rule_kernel_args["alibi_strides"], rule_kernel_args["seg_q_strides"],
         rule_kernel_args["seg_k_strides"], heads_q, group, len_q, len_k, col_tiles, stats_stride,
         rule_kernel_args["softcap2"], **scalars, **rule_flags,
@@ -367,6 +431,7 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     run_kernel(attention_dq_kernel, grid_of(row_tiles, batch * heads_q),
         q, k, v, dout, lse, delta, dq, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], rule_kernel_args["PREFIX"],
         rule_kernel_args["SEG_Q"], rule_kernel_args["SEG_K"], segment_ranges(rules, q, cfg.block_m, cfg.block_n),
+        *tile_descriptors(use_tma, (k, k_strides, cfg.block_n, block_d), (v, v_strides, cfg.block_n, block_dv)),
         *strides, mask_strides, rule_kernel_args["alibi_strides"], rule_kernel_args["seg_q_strides"],
         rule_kernel_args["seg_k_strides"], heads_q, group, len_q, len_k, row_tiles, stats_stride,
         rule_kernel_args["softcap2"], **scalars, **rule_flags,

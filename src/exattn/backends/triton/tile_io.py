@@ -1,10 +1,16 @@
 """Where a kernel's tiles lie in memory, and their loads and stores with the boundary masks.
 
 Every view a kernel gets is a base pointer and a (batch, head, row, col) strides
-tuple. A kernel reads the (b, h) slice of a view through pointers or, with
-USE_TMA, through a tensor descriptor (unit column stride); the two ways meet in
-`tile_source`, `tile_walk` and `load_source_tile`. Rows past the slice's end and
-columns past the head dim (a padded BLOCK) read zero and are never written.
+tuple. A kernel reads the (b, h) slice of a view through pointers (USE_TMA = 0) or a
+tensor descriptor (unit column stride): one it builds over the slice (USE_TMA = 1,
+`tl.make_tensor_descriptor`, which needs scratch memory per program), or one the host
+built over the whole tensor as a 2-D (rows, row stride) matrix (USE_TMA = 2,
+`passes.host_descriptor`: no scratch), where the slice starts at row `offset // row
+stride`, column `offset % row stride`. The ways meet in `tile_source`, `tile_walk` and
+`load_source_tile`. Rows past the slice's end read zero (USE_TMA < 2) or the rows that
+follow it in memory (USE_TMA = 2: the kernels mask them in the tiles that reach them),
+columns past the head dim (a padded BLOCK; not with USE_TMA = 2) zero; neither is ever
+written.
 """
 
 from __future__ import annotations
@@ -20,16 +26,25 @@ def head_slice(X, strides, b, h):
 
 
 @triton.jit
+def slice_offset(strides, b, h, start):
+    """Element offset of row `start` of the (b, h) slice of a (B, H, rows, cols) view."""
+    return b * strides[0] + h * strides[1] + start * strides[2]
+
+
+@triton.jit
 def tile_source(
-    base, row_col, n_rows, N_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    X, offset, row_col, n_rows, N_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    USE_TMA: tl.constexpr, X_DESC,
 ):
-    """What a kernel reads an (n_rows, N_COLS) slice at `base` (row stride row_col[0]) through: a tensor
-    descriptor of BLOCK_ROWS x BLOCK_COLS blocks (USE_TMA; unit column stride), else `base` itself."""
-    if USE_TMA:
-        return tl.make_tensor_descriptor(base, [n_rows, N_COLS], [row_col[0], 1], [BLOCK_ROWS, BLOCK_COLS])
+    """What a kernel reads the (n_rows, N_COLS) slice at element `offset` of X (row stride row_col[0])
+    through: X_DESC, the host's descriptor over X, with the slice's (row, column) in it (USE_TMA = 2);
+    a descriptor of BLOCK_ROWS x BLOCK_COLS blocks over the slice (USE_TMA = 1); else its base pointer."""
+    if USE_TMA == 2:
+        return X_DESC, (offset // row_col[0]).to(tl.int32), (offset % row_col[0]).to(tl.int32)
+    elif USE_TMA == 1:
+        return tl.make_tensor_descriptor(X + offset, [n_rows, N_COLS], [row_col[0], 1], [BLOCK_ROWS, BLOCK_COLS])
     else:
-        return base
+        return X + offset
 
 
 @triton.jit
@@ -87,8 +102,10 @@ def load_source_tile(
     USE_TMA: tl.constexpr,
 ):
     """The tile of rows `rows` = row0 + arange(BLOCK_ROWS) where a `tile_walk` stands: a descriptor load
-    at row0 (USE_TMA; the copy zero-fills past the slice), else `load_tile` from the pointers `at`."""
-    if USE_TMA:
+    at row0 (USE_TMA), else `load_tile` from the pointers `at`."""
+    if USE_TMA == 2:
+        return at[0].load([at[1] + row0, at[2]])
+    elif USE_TMA == 1:
         return at.load([row0, 0])
     else:
         return load_tile(at, rows, n_rows, cols, N_COLS, BLOCK_COLS, CHECK_ROWS)

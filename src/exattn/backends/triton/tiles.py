@@ -83,8 +83,8 @@ def tile_segments(
 
 @triton.jit
 def band_allows(rows, cols, len_q, len_k, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Bool tile: key `cols` exists and lies in the band of query `rows` (broadcastable)."""
-    allowed = cols < len_k
+    """Bool tile: query `rows` and key `cols` exist and the key lies in the band of the query (broadcastable)."""
+    allowed = (cols < len_k) & (rows < len_q)
     diag = rows + (len_k - len_q)
     if HAS_LEFT:
         allowed = allowed & (cols >= diag - left)
