@@ -469,7 +469,7 @@ def test_the_decode_kernels_serve_every_rule_and_gluon_names_them():
     assert triton_reasons(problem) == []
     assert choose_decode_backend(problem, "triton") == "triton"
     refusal = gluon_decode_reasons(q, k, v, None, problem.score_rules_in_use)
-    assert "score rules (window, softcap, alibi_slopes, sinks) run on the Triton decode kernel" in refusal
+    assert "score rules (softcap, alibi_slopes, sinks) run on the Triton decode kernel" in refusal
     with pytest.raises(ValueError, match="softcap must be"):
         exattn.decode(q, k, v, softcap=-1.0)
     with pytest.raises(ValueError, match="sinks"):

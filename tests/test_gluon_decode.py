@@ -23,7 +23,8 @@ SPLIT_KERNEL = gd.gluon_decode_split_kernel
 
 
 def compiled_kernel(dtype: torch.dtype, len_q: int, monkeypatch, heads_q: int = 32, num_splits: int = 5,
-                    merge_in_split: bool = False, options: dict | None = None, validate: bool = False):
+                    merge_in_split: bool = False, options: dict | None = None, validate: bool = False,
+                    window_left: int = -1):
     """The kernel as `gluon_decode_forward` launches it on CPU tensors, compiled for sm_90a."""
     kernel, recorder = SPLIT_KERNEL, RecordedLaunch()
     monkeypatch.setattr(gd, "gluon_decode_split_kernel", recorder)
@@ -31,7 +32,7 @@ def compiled_kernel(dtype: torch.dtype, len_q: int, monkeypatch, heads_q: int = 
     q = torch.randn(3, heads_q, len_q, 128).to(dtype)
     k, v = (torch.randn(3, 8, 4000, 128).to(dtype) for _ in range(2))
     gd.gluon_decode_forward(q, k, v, torch.tensor([4000, 17, 2500], dtype=torch.int32), 0.1, num_splits, merge_in_split,
-                            validate=validate)
+                            validate=validate, window_left=window_left)
     args, kwargs = recorder.calls[0]
     return compile_for_sm90(kernel, args, {**kwargs, **(options or {})})
 
@@ -39,16 +40,17 @@ def compiled_kernel(dtype: torch.dtype, len_q: int, monkeypatch, heads_q: int = 
 THREE_PER_SM_REGISTERS = 168  # 65536 registers / (3 programs * 128 threads), allocated in steps of 8
 
 
-@pytest.mark.parametrize("dtype,len_q,heads_q,num_splits,merge_in_split", [
-    (torch.bfloat16, 1, 32, 1, False), (torch.float16, 1, 32, 5, False), (torch.bfloat16, 4, 32, 5, False),
-    (torch.bfloat16, 1, 32, 5, True), (torch.float16, 1, 32, 8, True), (torch.bfloat16, 1, 8, 7, True),
-    (torch.bfloat16, 2, 64, 2, True), (torch.bfloat16, 1, 32, 9, True),
+@pytest.mark.parametrize("dtype,len_q,heads_q,num_splits,merge_in_split,window_left", [
+    (torch.bfloat16, 1, 32, 1, False, -1), (torch.float16, 1, 32, 5, False, -1), (torch.bfloat16, 4, 32, 5, False, -1),
+    (torch.bfloat16, 1, 32, 5, True, -1), (torch.float16, 1, 32, 8, True, -1), (torch.bfloat16, 1, 8, 7, True, -1),
+    (torch.bfloat16, 2, 64, 2, True, -1), (torch.bfloat16, 1, 32, 9, True, -1), (torch.bfloat16, 1, 32, 4, True, 4096),
+    (torch.bfloat16, 3, 32, 3, False, 100),
 ])
-def test_compiles_for_sm90_with_one_tma_slot_per_tensor(dtype, len_q, heads_q, num_splits, merge_in_split,
+def test_compiles_for_sm90_with_one_tma_slot_per_tensor(dtype, len_q, heads_q, num_splits, merge_in_split, window_left,
                                                          tmp_path, monkeypatch):
     """One new token: 4 programs an SM uncapped. Nq > 1: 3 uncapped, and 4 under `register_cap`'s
-    option with at most the 16 bytes of spill its comment names."""
-    kernel = compiled_kernel(dtype, len_q, monkeypatch, heads_q, num_splits, merge_in_split)
+    option with at most the 16 bytes of spill its comment names. A window (window_left >= 0) keeps both."""
+    kernel = compiled_kernel(dtype, len_q, monkeypatch, heads_q, num_splits, merge_in_split, window_left=window_left)
     usage = resource_usage(kernel, tmp_path)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
     limit = gd.FOUR_PER_SM_REGISTERS if len_q == 1 else THREE_PER_SM_REGISTERS
@@ -102,8 +104,9 @@ def test_reasons_name_every_refusal(monkeypatch):
     k = torch.randn(1, 2, 64, 101)[..., :100]  # rows of 101 floats: not 16-byte aligned
     reasons = " | ".join(gd.gluon_decode_reasons(q, k, v, torch.zeros(1, 4, dtype=torch.int32), ["window", "sinks"]))
     for words in ("CUDA", "float32", "D=100, Dv=96", "20 query rows", "paged", "16-byte",
-                  "score rules (window, sinks) run on the Triton decode kernel"):
+                  "score rules (sinks) run on the Triton decode kernel"):
         assert words in reasons, (words, reasons)
+    assert "score rules" not in " | ".join(gd.gluon_decode_reasons(q, k, v, None, ["window"])), "it serves windows"
 
 
 @pytest.mark.parametrize("interpret,words", [("0", "CUDA"), ("1", "TRITON_INTERPRET")])
@@ -130,6 +133,29 @@ def test_plan_marks_only_the_measured_launches(batch, rows, dims, context, marke
     assert config.gluon is marked
     if marked:
         assert (splits > 1) is (batch < 64)
+
+
+def test_a_window_is_marked_as_a_plain_launch_over_the_same_cache(monkeypatch):
+    """A 4k window over a 128k cache is split as the 4097 keys it reads but takes the kernel a plain launch over
+    that cache takes; over a cache too short for the Gluon kernel it stays on the Triton one."""
+    import importlib
+
+    from exattn.decode import make_decode_problem, triton_plan
+
+    decode_module = importlib.import_module("exattn.decode")  # the attribute exattn.decode is the function
+
+    keys = plan_launch(8, 8, 4, 128, 128, 4097, 132)
+    window = plan_launch(8, 8, 4, 128, 128, 4097, 132, capacity=131072)
+    assert not keys[0].gluon and window == (keys[0]._replace(gluon=True), keys[1])
+    assert window[1] == plan_launch(8, 8, 4, 128, 128, 131072, 132)[1] == 4  # as many splits, of fewer keys
+    assert not plan_launch(8, 8, 4, 128, 128, 4097, 132, capacity=GLUON_MIN_KEYS - 1)[0].gluon
+    asked = []
+    monkeypatch.setattr(decode_module, "plan_launch", lambda *args, **kw: asked.append((args, kw)) or window)
+    q = torch.randn(8, 32, 1, 128).to(torch.bfloat16)
+    k = torch.empty(8, 8, 131072, 128, dtype=torch.bfloat16)
+    triton_plan(make_decode_problem(q, k, k, torch.full((8,), 131072, dtype=torch.int32), None, None, 0, False,
+                                    (4096, 0)))
+    assert asked[0][0][5] == 4097 and asked[0][1] == {"capacity": 131072}
 
 
 # With a GPU, conftest leaves TRITON_INTERPRET unset and CPU tensors cannot reach a Triton kernel;
@@ -188,6 +214,27 @@ def test_gpu_matches_the_oracle(dtype, len_q, num_splits, merge_in_split, monkey
         assert_matches_attention(f"gluon {dtype} Nq={len_q} splits={num_splits} merge={merges} call {call}",
                                  out, lse, q, k, v, lens)
     assert len(combines) == (0 if merges or launched == 1 else 1)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("len_q", (1, 3))
+@pytest.mark.parametrize("num_splits", (1, 3, 8))
+@pytest.mark.parametrize("window", (0, 100, 4096, 20000))
+def test_gpu_window_reads_only_its_blocks_and_matches_the_oracle(window, num_splits, len_q):
+    """V holds NaN in every key block before the one where the first token's window starts, so a read of
+    any such block gives NaN; lengths end inside a block, on one, below the window and at Nq."""
+    from test_decode_rules import assert_rules_match
+    from test_decode_gpu import make_case
+
+    q, k, v, lens = make_case(4, 32, 8, len_q, 9000, 128, seed=window + num_splits, lengths=[9000, 4160, 65, len_q])
+    clean_v = v.clone()
+    for b, length in enumerate(lens.tolist()):
+        v[b, :, :max(length - len_q - window, 0) // gd.BLOCK_N * gd.BLOCK_N] = float("nan")
+    out, lse = gd.gluon_decode_forward(q, k, v, lens, 128 ** -0.5, num_splits, window_left=window)
+    assert not out.isnan().any()
+    assert_rules_match(f"gluon window={window} splits={num_splits} Nq={len_q}", out, lse, q, k, clean_v, lens,
+                       dict(window=(window, 0)))
 
 
 @pytest.mark.gpu

@@ -6,9 +6,9 @@
 Same contract and split rule as `decode_kernel.decode_forward` (its partial results merged by
 the same rule, in the split kernel where `merge_shape` allows, else by its combine kernel), for the
 launches `plan_launch` marks (`DecodeConfig.gluon`): D = Dv = 128, up to 16 query rows (G * Nq) per
-K/V head, fp16/bf16, contiguous caches, no score rule (window, softcap, ALiBi and sinks run on the
-Triton kernel). Lengths are clamped to [0, Nmax] and, with `validate`, checked as there
-(`record_length`, `exattn.errors`).
+K/V head, fp16/bf16, contiguous caches, no score rule but a window (softcap, ALiBi and sinks run on
+the Triton kernel; a window's splits cover the keys it leaves, as there). Lengths are clamped to
+[0, Nmax] and, with `validate`, checked as there (`record_length`, `exattn.errors`).
 
 What differs is how K/V bytes are asked for. The Triton kernel's software pipeline keeps two
 64-key blocks of K and V in flight and issues a block's copies after the block's arithmetic.
@@ -34,6 +34,7 @@ from . import decode_kernel
 from .decode_kernel import BOUND, INDEX, KIND, LENGTH_BELOW_NQ, LENGTH_BEYOND_CACHE, PAGE_SIZE_FIELD, SLOT, VALUE
 from .configs import ceil_div, gluon_device_reasons, multiprocessor_count, next_power_of_two, tma_compatible
 from .gluon_forward import as_box, broadcast_reasons, larger, plus, tile_descriptor
+from ...problem import UNBOUNDED
 from .replay import run_kernel
 
 BLOCK_N = 64
@@ -57,8 +58,9 @@ def gluon_decode_reasons(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     from . import gluon_written_for_this_triton
 
     reasons = gluon_device_reasons(q.device)
-    if rules:
-        reasons.append(f"score rules ({', '.join(rules)}) run on the Triton decode kernel")
+    others = [rule for rule in rules if rule != "window"]
+    if others:
+        reasons.append(f"score rules ({', '.join(others)}) run on the Triton decode kernel")
     if not gluon_written_for_this_triton():
         reasons.append("the Gluon kernels are written for Triton 3.6")
     if q.dtype not in DTYPES:
@@ -169,12 +171,13 @@ def merge_splits(PART_OUT, PART_LSE, OUT, LSE, first_row, rows_valid, num_splits
 
 
 @gluon.jit
-def attend_block(q, slots, k_desc, v_desc, phase, b, hk, n0, hi, keys, last_key, m_i, l_i, acc, qk_scale,
-                 operand_b: gl.constexpr, tile: gl.constexpr, CUT: gl.constexpr):
+def attend_block(q, slots, k_desc, v_desc, phase, b, hk, n0, hi, keys, last_key, window_left, m_i, l_i, acc,
+                 qk_scale, operand_b: gl.constexpr, tile: gl.constexpr, CUT: gl.constexpr,
+                 HAS_WINDOW: gl.constexpr):
     """The online-softmax state (m_i, l_i, acc) after keys n0 .. n0 + BLOCK_N, whose K and V are in
     flight to `slots`; each slot takes the next block's copy once read. CUT: the block runs past hi,
     and V's rows from hi are set to 0 first (outside the loop over whole blocks, which then keeps
-    to 128 registers)."""
+    to 128 registers). HAS_WINDOW: keys before last_key - window_left are left out too."""
     k_slot, v_slot, k_ready, v_ready = slots
     BLOCK_N: gl.constexpr = k_slot.shape[0]
     mma: gl.constexpr = acc.type.layout
@@ -183,7 +186,10 @@ def attend_block(q, slots, k_desc, v_desc, phase, b, hk, n0, hi, keys, last_key,
     k = fragments(k_slot, k_ready, phase, operand_b, True)
     issue_block(k_desc, k_slot, k_ready, b, hk, n0 + BLOCK_N, hi)
     s = mma_v2(q, k, gl.zeros([q.shape[0], BLOCK_N], gl.float32, mma)) * qk_scale
-    s = gl.where((n0 + keys)[None, :] <= last_key[:, None], s, float("-inf"))
+    allowed = (n0 + keys)[None, :] <= last_key[:, None]
+    if HAS_WINDOW:
+        allowed = allowed & ((n0 + keys)[None, :] >= last_key[:, None] - window_left)
+    s = gl.where(allowed, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.reduce(s, 1, larger))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
@@ -203,9 +209,11 @@ def gluon_decode_split_kernel(
     ROWS: gl.constexpr,
     FINAL_OUT=None, FINAL_LSE=None, ARRIVALS=None,
     MERGE_ROWS: gl.constexpr = 0, MERGE_SPLITS: gl.constexpr = 0,
+    window_left=0, HAS_WINDOW: gl.constexpr = False,
     ERRORS=None, DOORBELL=None, VALIDATE: gl.constexpr = False,
 ):
-    """Descriptors (`tile_descriptor`): k, v (B, Hk, Nmax, D) with [1, 1, BLOCK_N, D] boxes; capacity = Nmax."""
+    """Descriptors (`tile_descriptor`): k, v (B, Hk, Nmax, D) with [1, 1, BLOCK_N, D] boxes; capacity = Nmax.
+    HAS_WINDOW: a token sees window_left keys before its own."""
     D: gl.constexpr = k_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = k_desc.dtype
@@ -226,8 +234,11 @@ def gluon_decode_split_kernel(
         checks = (hk == 0) & (split == 0)  # one program a sequence
         if checks:
             record_length(ERRORS, DOORBELL, b, given, len_q, capacity)
-    chunk = gl.cdiv(gl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    start = 0
+    if HAS_WINDOW:  # key blocks before every row's window are not split over, nor read
+        start = gl.maximum(length - len_q - window_left, 0) // BLOCK_N * BLOCK_N
+    chunk = gl.cdiv(gl.cdiv(length - start, num_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
     hi = gl.minimum(lo + chunk, length)
 
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
@@ -257,12 +268,12 @@ def gluon_decode_split_kernel(
     full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
     phase = 0
     for n0 in range(lo, full_end, BLOCK_N):
-        m_i, l_i, acc = attend_block(q, slots, k_desc, v_desc, phase, b, hk, n0, hi, keys, last_key, m_i, l_i, acc,
-                                     qk_scale, operand_b, tile, False)
+        m_i, l_i, acc = attend_block(q, slots, k_desc, v_desc, phase, b, hk, n0, hi, keys, last_key, window_left,
+                                     m_i, l_i, acc, qk_scale, operand_b, tile, False, HAS_WINDOW)
         phase ^= 1
     if full_end < hi:  # the sequence's last block, cut by its length
-        m_i, l_i, acc = attend_block(q, slots, k_desc, v_desc, phase, b, hk, full_end, hi, keys, last_key, m_i, l_i,
-                                     acc, qk_scale, operand_b, tile, True)
+        m_i, l_i, acc = attend_block(q, slots, k_desc, v_desc, phase, b, hk, full_end, hi, keys, last_key,
+                                     window_left, m_i, l_i, acc, qk_scale, operand_b, tile, True, HAS_WINDOW)
 
     has_mass = l_i != 0.0
     safe_l = gl.where(has_mass, l_i, 1.0)
@@ -298,9 +309,11 @@ def register_cap(programs: int, device: torch.device) -> dict:
     return {"maxnreg": FOUR_PER_SM_REGISTERS} if more_than_three else {}
 
 
-def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits, merge_in_split=True, validate=False):
+def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits, merge_in_split=True, validate=False,
+                         window_left=UNBOUNDED):
     """`decode_kernel.decode_forward` for inputs `gluon_decode_reasons` accepts (contiguous caches).
-    `merge_in_split`: merge in the split kernel where `merge_shape` allows; `validate`: as there."""
+    `merge_in_split`: merge in the split kernel where `merge_shape` allows; `validate`, `window_left`: as
+    there (`DecodeRules.window_left`)."""
     batch, heads_q, len_q, head_dim = q.shape
     heads_k = k_cache.shape[1]
     num_splits = min(num_splits, ceil_div(k_cache.shape[2], BLOCK_N), 65535)
@@ -310,11 +323,12 @@ def gluon_decode_forward(q, k_cache, v_cache, seqlens, scale, num_splits, merge_
         FINAL_OUT=out, FINAL_LSE=lse, ARRIVALS=decode_kernel.arrival_counters(batch * heads_k, q.device),
         MERGE_ROWS=shape[0], MERGE_SPLITS=shape[1])
     cap = register_cap(batch * heads_k * num_splits, q.device)
+    window = {} if window_left == UNBOUNDED else dict(window_left=window_left, HAS_WINDOW=True)
     run_kernel(gluon_decode_split_kernel, (batch * heads_k, num_splits),
         q, tile_descriptor(k_cache, BLOCK_N), tile_descriptor(v_cache, BLOCK_N), seqlens.contiguous(),
         part_out, part_lse, *q.stride()[:3],
         heads_k, heads_q // heads_k, len_q, num_splits, scale * decode_kernel.LOG2E, k_cache.shape[2],
-        ROWS=ROWS, num_warps=4, **cap, **merge, **decode_kernel.validation_arguments(q.device, validate),
+        ROWS=ROWS, num_warps=4, **cap, **merge, **window, **decode_kernel.validation_arguments(q.device, validate),
     )
     if num_splits > 1 and not merge:
         decode_kernel.combine_splits(part_out, part_lse, out, lse, heads_k)
