@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exattn import BlockSummary, finalize, merge, merge_states, summarize
-from exattn.algebra import absorb_, empty_summary
+from exattn.algebra import absorb_, empty_summary, summarize_into_
 
 F64 = torch.float64
 
@@ -166,6 +166,24 @@ def test_absorb_equals_merge_of_summary(seed, with_weights):
     absorbed = absorb_(clone_state(state), scores.clone(), values, weights)
     assert_same_state(absorbed, expected)
     assert not any(t.isnan().any() for t in absorbed)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31), st.booleans(), st.sampled_from([torch.float32, F64]))
+def test_summarize_into_is_absorb_into_the_empty_summary_whatever_the_state_held(seed, with_weights, dtype):
+    """Bitwise: the tiled forward starts each row's state with it instead of the empty summary and absorb_."""
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.randn(2, 5, 4, generator=g, dtype=F64) * 30).to(dtype)
+    scores[torch.rand(2, 5, 4, generator=g) < 0.4] = float("-inf")
+    scores[0, 1] = float("-inf")  # a row that sees no key of the block
+    values = torch.randn(2, 4, 3, generator=g, dtype=dtype)
+    weights = torch.rand(2, 5, 4, generator=g, dtype=dtype) if with_weights else None
+    expected = absorb_(empty_summary((2, 5), 3, dtype, "cpu"), scores.clone(), values, weights)
+    garbage = BlockSummary(torch.full((2, 5), 7.0, dtype=dtype), torch.full((2, 5), float("nan"), dtype=dtype),
+                           torch.full((2, 5, 3), float("inf"), dtype=dtype))
+    started = summarize_into_(garbage, scores.clone(), values, weights)
+    for got, want in zip(started, expected):
+        assert torch.equal(got, want)
 
 
 def test_absorb_of_an_empty_row_keeps_it_empty():

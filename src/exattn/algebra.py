@@ -152,6 +152,24 @@ def absorb_(
     return state
 
 
+def summarize_into_(
+    state: BlockSummary, scores: torch.Tensor, values: torch.Tensor,
+    numerator_weights: torch.Tensor | None = None,
+) -> BlockSummary:
+    """`summarize_(scores, values, numerator_weights)` written into `state`'s tensors, whatever they held:
+    `absorb_` into an empty state without its rescaling (the first key block of a row, the hot path).
+    Shapes as `absorb_`; scores have at least one column and are overwritten with the weights."""
+    torch.amax(scores, dim=-1, out=state.m)
+    weights = exp_(scores.sub_(finite_or_zero(state.m)[..., None]))
+    torch.sum(weights, dim=-1, out=state.l)
+    if numerator_weights is not None:
+        weights.mul_(numerator_weights)
+    state.u.view(-1, *state.u.shape[-2:]).baddbmm_(weights.reshape(-1, *weights.shape[-2:]),
+                                                   values.to(weights.dtype).reshape(-1, *values.shape[-2:]),
+                                                   beta=0.0)
+    return state
+
+
 def finalize(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)` = `(u / l, m + log l)`; a row with `l = 0` gives zeros and -inf."""
     m = s.m.to(torch.promote_types(s.m.dtype, s.l.dtype), copy=True)

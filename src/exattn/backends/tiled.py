@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from ..algebra import NEG_INF, BlockSummary, absorb_, exp_, finalize_, merge_
+from ..algebra import NEG_INF, BlockSummary, absorb_, exp_, finalize_, merge_, summarize_into_
 from ..dropout import keep_tile
 from ..masks import apply_score_rules, key_intervals, query_range
 from ..problem import AttentionParams, ScoreRules, check_accumulators, compute_dtype
@@ -180,16 +180,20 @@ class TileContext:
             self.softcap_buffer = torch.empty_like(self.buffer)
         return self.softcap_buffer[: math.prod(shape)].view(shape)
 
-    def identity_summary(self, shape: tuple[int, ...], value_dim: int) -> BlockSummary:
-        """The empty summary for stacked rows of `shape`, in buffers reused by every query tile."""
+    def summary_buffers(self, shape: tuple[int, ...], value_dim: int) -> BlockSummary:
+        """A summary's tensors for stacked rows of `shape`, reused by every query tile; unset."""
         if self.summary is None:
             most = self.batch * self.heads_q * self.block_m
             self.summary = BlockSummary(*(torch.empty(size, dtype=self.dtype, device=self.device)
                                           for size in (most, most, most * value_dim)))
         rows = math.prod(shape)
         m, l, u = self.summary  # noqa: E741
-        return BlockSummary(m[:rows].view(shape).fill_(NEG_INF), l[:rows].view(shape).zero_(),
-                            u[: rows * value_dim].view(*shape, value_dim).zero_())
+        return BlockSummary(m[:rows].view(shape), l[:rows].view(shape), u[: rows * value_dim].view(*shape, value_dim))
+
+    def identity_summary(self, shape: tuple[int, ...], value_dim: int) -> BlockSummary:
+        """The empty summary for stacked rows of `shape`, in the reused buffers."""
+        m, l, u = self.summary_buffers(shape, value_dim)  # noqa: E741
+        return BlockSummary(m.fill_(NEG_INF), l.zero_(), u.zero_())
 
     def stack(self, x5: torch.Tensor, rows: range) -> torch.Tensor:
         """Rows of a (B, Hk, G, N, d) tensor as a stacked (B, Hk, G * rows, d) compute tile."""
@@ -250,12 +254,18 @@ def tiled_forward(q, k, v, mask, params: AttentionParams, rules: ScoreRules | No
     out5, lse5 = grouped(out, ctx.heads_k), grouped(lse, ctx.heads_k)
     for rows in spans(0, ctx.len_q, ctx.block_m):
         q_tile = ctx.stack(q5, rows)
-        state = ctx.identity_summary(q_tile.shape[:-1], v.shape[3])
+        state = None  # the first key tile's summary starts it: the empty summary and its rescaling are skipped
         for cols in ctx.key_spans(rows):
             k_tile = k[:, :, cols.start:cols.stop].to(ctx.dtype)
             v_tile = v[:, :, cols.start:cols.stop].to(ctx.dtype)
             scores = ctx.scores(q_tile, k_tile, rows, cols)
-            absorb_(state, scores, v_tile, ctx.dropout_weights(rows, cols))
+            if state is None:
+                state = summarize_into_(ctx.summary_buffers(q_tile.shape[:-1], v.shape[3]), scores, v_tile,
+                                        ctx.dropout_weights(rows, cols))
+            else:
+                absorb_(state, scores, v_tile, ctx.dropout_weights(rows, cols))
+        if state is None:  # no key tile holds an allowed pair for these rows
+            state = ctx.identity_summary(q_tile.shape[:-1], v.shape[3])
         if sinks is not None:
             merge_(state, ctx.sink_summary(rows))
         out_tile, lse_tile = finalize_(state)
