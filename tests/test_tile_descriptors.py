@@ -28,6 +28,7 @@ def token_major(total, heads, dim):
     ((40 * 4 * 64, 100, 4 * 64, 1), 4, 64, 64, False),      # the last head's columns leave the row
     ((4 * 40 * 64 + 8, 40 * 64, 64, 1), 4, 64, 64, False),  # batch stride not whole rows
     ((4 * 40 * 64, 40 * 64, 64, 2), 4, 64, 64, False),      # columns not unit-strided
+    ((40 * 32, 40 * 32, 32, 1), 1, 64, 64, False),          # rows narrower than a head (overlapping)
 ])
 def test_which_layouts_one_host_descriptor_serves(strides, heads, dim, block, fits):
     x = torch.empty(8)  # only the strides are read, and the last element's offset: 0 here

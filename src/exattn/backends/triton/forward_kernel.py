@@ -114,8 +114,9 @@ def attention_forward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q_rc, kv_strides, vv_strides = (q_strides[2], q_strides[3]), (k_strides[2], k_strides[3]), (v_strides[2],
-                                                                                                 v_strides[3])
+    q_rc = (q_strides[2], q_strides[3])
+    kv_strides = (k_strides[2], k_strides[3])
+    vv_strides = (v_strides[2], v_strides[3])
     q_offset = slice_offset(q_strides, b, h, q_start)
     if USE_TMA:
         q_src = tile_source(Q, q_offset, q_rc, len_q, D, BLOCK_M, BLOCK_D, USE_TMA, Q_DESC)

@@ -121,10 +121,11 @@ def can_use_tma(*tensors: torch.Tensor) -> bool:
 def host_descriptor_fits(x: torch.Tensor, strides: tuple[int, ...], heads: int, dim: int, block_cols: int) -> bool:
     """Whether one host descriptor over `x` as a 2-D (rows, row stride) matrix serves every (b, h) slice of
     its kernel view (`strides`: (batch, head, row, col)): unit columns, no padded head dim (a box wider
-    than the head would read its neighbour's columns), batch strides whole rows, and each head either
-    whole rows or columns inside one row (token-major and packed-qkv layouts); coordinates in int32."""
+    than the head would read its neighbour's columns), rows at least a head wide, batch strides whole
+    rows, and each head either whole rows or columns inside one row (token-major and packed-qkv
+    layouts); coordinates in int32."""
     row = strides[2]
-    if dim != block_cols or strides[3] != 1 or row <= 0 or strides[0] % row or last_element(x) >= row * 2**31:
+    if dim != block_cols or strides[3] != 1 or row < dim or strides[0] % row or last_element(x) >= row * 2**31:
         return False
     return heads == 1 or strides[1] % row == 0 or 0 < strides[1] and (heads - 1) * strides[1] + dim <= row
 
