@@ -220,13 +220,13 @@ class TileContext:
                                   self.params.window, mask_tile, self.rules, self.params.softcap, grad_tile)
         return ruled.reshape(scores.shape)
 
-    def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a @ b in a second buffer, at least a score tile's size, reused by every tile (the backward's dP,
-        then its dQ tile)."""
+    def product(self, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """alpha * (a @ b) in a second buffer, at least a score tile's size, reused by every tile (the
+        backward's dP, then its dQ tile)."""
         size = math.prod(a.shape[:-1]) * b.shape[-1]
         if self.spare is None or self.spare.numel() < size:
             self.spare = torch.empty(max(size, self.buffer.numel()), dtype=self.dtype, device=self.device)
-        return product_into(self.spare, a, b)
+        return product_into(self.spare, a, b, alpha)
 
     def dropout_weights(self, rows: range, cols: range) -> torch.Tensor | None:
         """keep / (1 - p) for the tile, stacked (B, Hk, G * rows, cols); None without dropout."""
@@ -274,15 +274,15 @@ def tiled_forward(q, k, v, mask, params: AttentionParams, rules: ScoreRules | No
     return out, lse
 
 
-def add_matmul_(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """target += a @ b for batched (..., m, k) @ (..., k, n): in place through one batched GEMM
-    when `target` can be viewed as (batch, m, n), through a temporary otherwise."""
+def add_matmul_(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
+    """target += alpha * (a @ b) for batched (..., m, k) @ (..., k, n): in place through one batched
+    GEMM when `target` can be viewed as (batch, m, n), through a temporary otherwise."""
     try:
         flat = target.view(-1, a.shape[-2], b.shape[-1])
     except RuntimeError:  # strides that do not flatten (a GQA group's rows, strided accumulators)
-        target += torch.matmul(a, b).view(target.shape)
+        target.add_(torch.matmul(a, b).view(target.shape), alpha=alpha)
         return
-    flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), alpha=alpha)
 
 
 def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accumulate_into=None,
@@ -322,11 +322,11 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accum
             dprobs = ctx.product(do_tile, v_tile.transpose(-1, -2))
             if weights is not None:
                 dprobs.mul_(weights)
-            dscores = probs.mul_(dprobs.sub_(ctx.stack(delta5, rows))).mul_(params.scale)
+            dscores = probs.mul_(dprobs.sub_(ctx.stack(delta5, rows)))  # unscaled: the GEMMs below scale
             if softcap_grad is not None:
                 dscores.mul_(softcap_grad)
-            dq5[..., rows.start:rows.stop, :] += ctx.unstack(ctx.product(dscores, k_tile), rows)
-            add_matmul_(dk_tile, dscores.transpose(-1, -2), q_tile)
+            dq5[..., rows.start:rows.stop, :] += ctx.unstack(ctx.product(dscores, k_tile, params.scale), rows)
+            add_matmul_(dk_tile, dscores.transpose(-1, -2), q_tile, params.scale)
         dk[:, :, c] += dk_tile
         dv[:, :, c] += dv_tile
     if accumulate_into is not None:

@@ -145,7 +145,7 @@ def last_element(x: torch.Tensor) -> int:
 
 
 # Host descriptors against descriptors built in the kernel (H200, bf16, 16k tokens, one A/B run of 3
-# interleaved rounds): the Triton backward 1.01-1.10x at d = 64 packed, 1.11-1.18x dense at 512 tokens;
+# interleaved rounds): the Triton backward 0.99-1.10x at d = 64 packed, 1.11-1.18x dense at 512 tokens;
 # at d = 128 0.97x packed full attention (0.88x causal, which the Gluon backward serves there) and
 # 0.91-1.03x dense. Packed problems take them at every head dim all the same: their in-kernel
 # descriptors need scratch for every program of a grid the longest sequence sizes (docs/triton.md).
