@@ -16,10 +16,6 @@ import exattn  # noqa: E402
 from exattn.backends.triton import passes  # noqa: E402
 
 
-def token_major(total, heads, dim):
-    return torch.randn(total, heads, dim)
-
-
 @pytest.mark.parametrize(("strides", "heads", "dim", "block", "fits"), [
     ((4 * 40 * 64, 40 * 64, 64, 1), 4, 64, 64, True),      # contiguous (B, H, N, D): heads whole rows
     ((40 * 4 * 64, 64, 4 * 64, 1), 4, 64, 64, True),        # token-major (B, N, H, D) seen as (B, H, N, D)
