@@ -9,6 +9,10 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# These run the kernels on CPU tensors through the interpreter, which conftest turns on wherever there is
+# no GPU (CI included). On a GPU machine the compiled kernels take the same modes in tests/test_varlen.py's
+# and tests/test_triton_gpu.py's GPU tests (packed layouts and d = 64 through host descriptors), so this
+# module is skipped there, as tests/test_triton_backend.py is.
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)", allow_module_level=True)
 

@@ -407,7 +407,7 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
 
     cfg = config_for("dkdv", q, v, mask, params)
     col_tiles = ceil_div(len_k, cfg.block_n)
-    strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dk, dv, dq_acc)]
+    strides = [q_strides, k_strides, v_strides, do_strides, *(kernel_view(x, packing)[1] for x in (dk, dv, dq_acc))]
     run_kernel(attention_dkdv_kernel, grid_of(col_tiles, batch * heads_k),
         q, k, v, dout, lse, delta, dk, dv, dq_acc, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"],
         rule_kernel_args["PREFIX"], rule_kernel_args["SEG_Q"], rule_kernel_args["SEG_K"],
@@ -428,7 +428,7 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
 
     cfg = config_for("dq", q, v, mask, params)
     row_tiles = ceil_div(len_q, cfg.block_m)
-    strides = [kernel_view(x, packing)[1] for x in (q, k, v, dout, dq)]
+    strides = [q_strides, k_strides, v_strides, do_strides, kernel_view(dq, packing)[1]]
     run_kernel(attention_dq_kernel, grid_of(row_tiles, batch * heads_q),
         q, k, v, dout, lse, delta, dq, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], rule_kernel_args["PREFIX"],
         rule_kernel_args["SEG_Q"], rule_kernel_args["SEG_K"], segment_ranges(rules, q, cfg.block_m, cfg.block_n),
