@@ -183,15 +183,13 @@ BACKWARD_RULE_SETS = {"window softcap alibi": gf.LEFT.value | gf.SOFTCAP.value |
                       | gf.PREFIX.value}
 
 
-def rule_tables(dim: int) -> tuple:
+def rule_tables() -> tuple:
     """(dK/dV, dQ) rule arguments of every rule over CPU tensors, shaped as `backward_rule_arguments` makes
     them for `launch_arguments`'s problem (B = 2, Hq = 4, N = 300)."""
-    cfg = gb.RULE_CONFIGS[dim]
     forward = rule_placeholders()
     dq_rules = forward[:6] + forward[7:]
-    tables = (torch.zeros(2, gf.ceil_div(300, 128), 2, dtype=torch.int32),
-              torch.zeros(2, gf.ceil_div(300, cfg.dkdv_block_m), 2, dtype=torch.int32))
-    return dq_rules[:13] + tables + dq_rules[15:], dq_rules
+    query_tiles = torch.zeros(2, gf.ceil_div(300, 128), 4, dtype=torch.int32)
+    return dq_rules[:13] + (query_tiles,) + dq_rules[14:], dq_rules
 
 
 @pytest.mark.parametrize("rules", BACKWARD_RULE_SETS)
@@ -201,7 +199,7 @@ def test_rule_variants_compile_for_sm90(kind, dim, causal, rules, tmp_path):
     """The score rules keep each kernel's design in their tiles (`RULE_CONFIGS`), without spills (the
     dK/dV kernel may park a few scalars on the stack, as the causal diagonal does)."""
     cfg = gb.RULE_CONFIGS[dim]
-    args, consts = launch_arguments(kind, dim, torch.bfloat16, False, cfg, rule_tables=rule_tables(dim))
+    args, consts = launch_arguments(kind, dim, torch.bfloat16, False, cfg, rule_tables=rule_tables())
     consts["RULES"] = BACKWARD_RULE_SETS[rules]
     if kind == "dkdv":
         consts["ROTATE"] = False
@@ -593,8 +591,8 @@ def argument(kernel: FakeKernel, real, name: str):
 
 def test_launch_hands_rules_to_both_kernels_with_the_key_blocks_segment_tables(monkeypatch):
     """Rules take the dQ kernel (also where ordered dQ would serve), both kernels get RULES, and the dK/dV
-    kernel gets each 128-key block's query tiles and each query tile's id range (the ids never decrease:
-    exact against a direct count)."""
+    kernel gets each 128-key block's query tiles, and those holding its one id alone (the ids never
+    decrease: exact against a direct count)."""
     from exattn.problem import ScoreRules
 
     ordered_everywhere(monkeypatch)
@@ -609,16 +607,18 @@ def test_launch_hands_rules_to_both_kernels_with_the_key_blocks_segment_tables(m
     bits = gf.SOFTCAP.value | gf.SEGMENTS.value
     assert dkdv.options["RULES"] == dq_kernel.options["RULES"] == bits and not dkdv.options["ROTATE"]
     assert argument(dkdv, real_dkdv, "dq_desc") is None and len(dq_kernel.launches) == 1
-    tiles, tile_ids = (argument(dkdv, real_dkdv, name)[0] for name in ("QUERY_TILES", "QUERY_TILE_IDS"))
+    tiles = argument(dkdv, real_dkdv, "QUERY_TILES")[0]
+
     def id_set(first, count):
         return set(ids[0, first:first + count].tolist())
 
     for block in range(gf.ceil_div(n, 128)):
-        meets = [t for t in range(gf.ceil_div(n, block_m)) if id_set(t * block_m, block_m) & id_set(block * 128, 128)]
-        assert tiles[block].tolist() == [min(meets), max(meets) + 1]
-    for t in range(gf.ceil_div(n, block_m)):
-        rows = ids[0, t * block_m:(t + 1) * block_m]
-        assert tile_ids[t].tolist() == [rows.min().item(), rows.max().item()]
+        query_tiles = range(gf.ceil_div(n, block_m))
+        meets = [t for t in query_tiles if id_set(t * block_m, block_m) & id_set(block * 128, 128)]
+        keys = id_set(block * 128, 128)
+        alone = [t for t in query_tiles if len(keys) == 1 and id_set(t * block_m, block_m) == keys]
+        full = [alone[0], alone[-1] + 1] if alone else [min(meets)] * 2
+        assert tiles[block].tolist() == [min(meets), max(meets) + 1, *full]
 
 
 def test_packed_backward_stores_dk_dv_from_registers_into_packed_gradients(monkeypatch):

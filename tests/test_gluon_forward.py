@@ -106,11 +106,10 @@ def test_compiles_for_sm90_without_spills(dim, causal, dtype, changes, tmp_path,
 def rule_placeholders(batch=2, heads=4, n=300) -> tuple:
     """`gluon_forward.rule_arguments` of every rule, over CPU tensors (compile tests)."""
     ids = torch.zeros(batch, n, dtype=torch.int32)
-    tables = (torch.zeros(batch, gf.ceil_div(n, 64), 2, dtype=torch.int32),
-              torch.zeros(batch, gf.ceil_div(n, 128), 2, dtype=torch.int32))
+    segment_table = torch.zeros(batch, gf.ceil_div(n, 64), 4, dtype=torch.int32)
     cu = torch.zeros(batch + 1, dtype=torch.int32)
     return (3, 0, 0.5, torch.empty(batch, heads), heads, 1, torch.empty(heads), torch.zeros(batch, dtype=torch.int32),
-            ids, n, 1, ids, n, 1, *tables, cu, cu)
+            ids, n, 1, ids, n, 1, segment_table, cu, cu)
 
 
 # RULES bits (`gluon_forward.rule_bits`) compiled for each head dim: every rule, packing, both together.

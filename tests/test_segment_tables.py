@@ -12,14 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exattn.backends.triton.segment_tables import segment_tile_ranges, tile_id_ranges
+from exattn.backends.triton.segment_tables import segment_tile_ranges
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 def expected_ranges(row_ids, col_ids, block_rows, block_cols):
     """For each row block, the column tiles holding an id of the block (sorted ids: a contiguous run,
-    widened to the tiles whose id range straddles it), or every tile when some ids decrease."""
+    widened to the tiles whose id range straddles it), or every tile when some ids decrease; then the
+    tiles holding the block's one id alone (sorted ids, a block of one id), else an empty range at lo."""
     tiles = -(-col_ids.shape[1] // block_cols)
     out = []
     for b in range(row_ids.shape[0]):
@@ -31,15 +32,20 @@ def expected_ranges(row_ids, col_ids, block_rows, block_cols):
             meets = [t for t in range(tiles) if min(cols[t * block_cols:(t + 1) * block_cols]) <= high
                      and max(cols[t * block_cols:(t + 1) * block_cols]) >= low]
             if not ordered:
-                entry.append([0, tiles])
+                lo_hi = [0, tiles]
             elif meets:
-                entry.append([meets[0], meets[-1] + 1])
+                lo_hi = [meets[0], meets[-1] + 1]
             else:  # no tile meets: an empty range at the first tile above the block's ids
                 above = [t for t in range(tiles) if max(cols[t * block_cols:(t + 1) * block_cols]) >= low]
                 first = above[0] if above else tiles
-                entry.append([first, first])
+                lo_hi = [first, first]
+            alone = [t for t in range(tiles) if set(cols[t * block_cols:(t + 1) * block_cols]) == {low}]
+            if ordered and low == high and alone:
+                entry.append(lo_hi + [alone[0], alone[-1] + 1])
+            else:
+                entry.append(lo_hi + [lo_hi[0], lo_hi[0]])
         out.append(entry)
-    return torch.tensor(out, dtype=torch.int32).reshape(row_ids.shape[0], -1, 2)
+    return torch.tensor(out, dtype=torch.int32).reshape(row_ids.shape[0], -1, 4)
 
 
 def documents(lengths, batch=2):
@@ -56,7 +62,3 @@ def test_ranges_match_a_direct_count(lengths, block_rows, block_cols, shuffled):
     keys = ids[:, ::2]  # a strided view of other lengths
     ranges = segment_tile_ranges(ids, keys, block_rows, block_cols)
     torch.testing.assert_close(ranges, expected_ranges(ids, keys, block_rows, block_cols), rtol=0, atol=0)
-    tiles = tile_id_ranges(keys, block_cols)
-    for t in range(tiles.shape[1]):
-        part = keys[:, t * block_cols:(t + 1) * block_cols]
-        assert tiles[:, t, 0].tolist() == part.amin(1).tolist() and tiles[:, t, 1].tolist() == part.amax(1).tolist()

@@ -87,7 +87,6 @@ from .gluon_forward import (
     KEY_IDS,
     KEY_IDS_STRIDE,
     KEY_TILE,
-    KEY_TILE_IDS,
     LEFT,
     LEFT_ROWS,
     LEN_K,
@@ -99,6 +98,7 @@ from .gluon_forward import (
     Q_START,
     RIGHT_ROWS,
     ROWS,
+    SEGMENT_FIELDS,
     SEGMENTS,
     SINKS,
     SOFTCAP,
@@ -125,6 +125,7 @@ from .gluon_forward import (
     rule_arguments,
     rule_bits,
     rule_scores,
+    segment_full_tiles,
     tile_descriptor,
     tile_of,
     wait_ready,
@@ -134,7 +135,7 @@ from .gluon_forward import (
 )
 from .passes import LOG2E, grid_of, on_device, settings
 from .replay import run_kernel
-from .segment_tables import segment_tile_ranges, tile_id_ranges
+from .segment_tables import segment_tile_ranges
 
 
 class GluonBackwardConfig(NamedTuple):
@@ -263,17 +264,18 @@ def query_range(n0, ctx, QUERY_TILES, BLOCK_M: gl.constexpr, CAUSAL: gl.constexp
         lo = gl.where(in_prefix, 0, lo)
         hi = gl.where(in_prefix, all_tiles, hi)
     if RULES & SEGMENTS:
-        lo = gl.maximum(lo, gl.load(QUERY_TILES + n0 // KEY_TILE * 2))
-        hi = gl.minimum(hi, gl.load(QUERY_TILES + n0 // KEY_TILE * 2 + 1))
+        lo = gl.maximum(lo, gl.load(QUERY_TILES + n0 // KEY_TILE * SEGMENT_FIELDS))
+        hi = gl.minimum(hi, gl.load(QUERY_TILES + n0 // KEY_TILE * SEGMENT_FIELDS + 1))
     hi = gl.where(n0 < len_k, gl.minimum(hi, all_tiles), 0)  # a packed sequence may end before n0
     return gl.minimum(lo, hi), hi
 
 
 @gluon.jit
-def all_allowed(r0, k0, NR: gl.constexpr, NK: gl.constexpr, ctx, q_id_range, k_id_range, CAUSAL: gl.constexpr,
+def all_allowed(r0, k0, NR: gl.constexpr, NK: gl.constexpr, ctx, one_segment, CAUSAL: gl.constexpr,
                 RULES: gl.constexpr):
     """Whether every query of [r0, r0 + NR) exists and may see every key of [k0, k0 + NK) (`allowed_pairs`
-    for a whole tile, from the ids' (least, greatest) over its queries and over its keys)."""
+    for a whole tile; one_segment: whether (SEGMENTS) the queries and the keys all hold one id, from the
+    tables' full ranges)."""
     len_q, len_k = ctx[LEN_Q], ctx[LEN_K]
     diagonal = r0 + (len_k - len_q)  # the first query's
     exists = (r0 >= 0) & (r0 + NR <= len_q) & (k0 + NK <= len_k)
@@ -285,8 +287,7 @@ def all_allowed(r0, k0, NR: gl.constexpr, NK: gl.constexpr, ctx, q_id_range, k_i
     if RULES & PREFIX:
         allowed = allowed | (exists & (k0 + NK <= ctx[PREFIX_KEYS]))
     if RULES & SEGMENTS:
-        one_id = (q_id_range[0] == q_id_range[1]) & (k_id_range[0] == k_id_range[1])
-        allowed = allowed & one_id & (q_id_range[0] == k_id_range[0])
+        allowed = allowed & one_segment
     return allowed
 
 
@@ -322,7 +323,7 @@ def key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group
         place = (b, 0, 0)
     else:
         ctx = work_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
-        QUERY_TILES = rules[13] + b * gl.cdiv(len_k, KEY_TILE) * 2
+        QUERY_TILES = rules[13] + b * gl.cdiv(len_k, KEY_TILE) * SEGMENT_FIELDS
         lo, hi = query_range(n0, ctx, QUERY_TILES, BLOCK_M, CAUSAL, RULES)
         full = hi
         place = sequence_place(b, ctx, RULES)
@@ -618,14 +619,17 @@ def sequence_stats(t, keys, BLOCK_M: gl.constexpr, col_layout: gl.constexpr):
 def key_block_rules(rules, b, first, len_q, len_k, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                     RULES: gl.constexpr):
     """What `key_block_probabilities` needs of keys [first, first + 64) of batch entry b, besides the
-    query head's context: (key positions, their segment ids and id range, first, the query ids and their
-    stride, the query tiles' id ranges)."""
+    query head's context: (key positions, their segment ids, first, the query ids and their stride, the
+    query tiles [full_lo, full_hi) of the key block's one id alone (its row of QUERY_TILES))."""
     keys = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     SEG_K, seg_k_sb, seg_k_sn = rules[10], rules[11], rules[12]
-    key_ids, key_id_range = position_segments(keys, len_k, SEG_K + b * seg_k_sb, seg_k_sn, RULES)
+    key_ids, _ = position_segments(keys, len_k, SEG_K + b * seg_k_sb, seg_k_sn, RULES)
     SEG_Q, seg_q_sb, seg_q_sn = rules[7], rules[8], rules[9]
-    QUERY_TILE_IDS = rules[14] + b * gl.cdiv(len_q, BLOCK_M) * 2
-    return keys, key_ids, key_id_range, first, SEG_Q + b * seg_q_sb, seg_q_sn, QUERY_TILE_IDS
+    query_full = (0, 0)
+    if RULES & SEGMENTS:
+        at = rules[13] + (b * gl.cdiv(len_k, KEY_TILE) + first // KEY_TILE) * SEGMENT_FIELDS
+        query_full = (gl.load(at + 2), gl.load(at + 3))
+    return keys, key_ids, first, SEG_Q + b * seg_q_sb, seg_q_sn, query_full
 
 
 @gluon.jit
@@ -634,16 +638,14 @@ def key_block_probabilities(s, lse2, t, keys, scale_log2, CAUSAL: gl.constexpr, 
     `allowed_pairs` says no unless the whole tile is allowed; and the softcap's derivative. keys: the
     query head's context (`work_context`) and `key_block_rules`."""
     ctx, key_state, _ = keys
-    positions, key_ids, key_id_range, first, Q_IDS, q_ids_stride, QUERY_TILE_IDS = key_state
+    positions, key_ids, first, Q_IDS, q_ids_stride, query_full = key_state
     BLOCK_M: gl.constexpr = s.shape[1]
     queries = column_positions(s, t)
     q_pos = gl.expand_dims(queries, 0)
     k_pos = gl.expand_dims(positions, 1)
     p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 0), q_pos, k_pos, ctx, scale_log2, RULES)
-    q_id_range = (0, 0)
-    if RULES & SEGMENTS:
-        q_id_range = (gl.load(QUERY_TILE_IDS + t * 2), gl.load(QUERY_TILE_IDS + t * 2 + 1))
-    if all_allowed(t * BLOCK_M, first, BLOCK_M, ROWS, ctx, q_id_range, key_id_range, CAUSAL, RULES) == 0:
+    one_segment = (t >= query_full[0]) & (t < query_full[1])
+    if all_allowed(t * BLOCK_M, first, BLOCK_M, ROWS, ctx, one_segment, CAUSAL, RULES) == 0:
         q_ids = queries
         if RULES & SEGMENTS:
             q_ids = gl.load(Q_IDS + queries * q_ids_stride, mask=queries < ctx[LEN_Q], other=0)
@@ -735,7 +737,7 @@ def gluon_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides, dk_desc, dv_desc,
     heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM, LSE2, DELTA,
     scale_log2, scale, left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn,
-    SEG_K, seg_k_sb, seg_k_sn, QUERY_TILES, QUERY_TILE_IDS, CU_Q, CU_K,
+    SEG_K, seg_k_sb, seg_k_sn, QUERY_TILES, CU_Q, CU_K,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
     DQ_SLOTS: gl.constexpr, ROTATE: gl.constexpr, ALTERNATE_DQ: gl.constexpr, RULES: gl.constexpr,
 ):
@@ -758,9 +760,9 @@ def gluon_dkdv_kernel(
     read directly (their rows start anywhere, a 1-D TMA box only 16-byte aligned).
 
     RULES (`rule_bits`; not with dq_desc): the score rules, windows and packing of `gluon_forward_kernel`,
-    whose arguments these are, except the segment-id tables: QUERY_TILES (B, Nk / 128, 2), each key
-    block's query tiles [lo, hi) by segment ids, and QUERY_TILE_IDS (B, Nq / BLOCK_M, 2), each query
-    tile's least and greatest id (`backward_rule_arguments`). Packed: the tensors are (1, H, total, d)
+    whose arguments these are, except the segment-id table: QUERY_TILES (B, Nk / 128, 4), each key
+    block's query tiles [lo, hi) by segment ids and [full_lo, full_hi) those of its one id alone
+    (`backward_rule_arguments`). Packed: the tensors are (1, H, total, d)
     views, dK and dV stored from registers (DK, DV).
     """
     dtype: gl.constexpr = q_desc.dtype
@@ -769,7 +771,7 @@ def gluon_dkdv_kernel(
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
     stat_layout: gl.constexpr = lse_desc.layout
     rules = (left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K,
-             seg_k_sb, seg_k_sn, QUERY_TILES, QUERY_TILE_IDS, CU_Q, CU_K)
+             seg_k_sb, seg_k_sn, QUERY_TILES, CU_Q, CU_K)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], tile_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], tile_layout)
@@ -871,18 +873,16 @@ def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, r, len_q, len
 def row_block_probabilities(s, lse2, rows, tile, row_rules, scale_log2, CAUSAL: gl.constexpr, RULES: gl.constexpr):
     """P of `rows` and key tile `tile` (from raw S) under the rules (`rule_probabilities`), 0 where
     `allowed_pairs` says no unless the whole tile is allowed; and the softcap's derivative. row_rules: the
-    context (`work_context`), the rows' segment ids, their (least, greatest), the first row."""
-    ctx, row_ids, row_id_range, first = row_rules
+    context (`work_context`), the rows' segment ids, their `segment_full_tiles`, the first row."""
+    ctx, row_ids, segment_full, first = row_rules
     BLOCK_N: gl.constexpr = s.shape[1]
     keys = column_positions(s, tile)
     q_pos = gl.expand_dims(rows, 1)
     k_pos = gl.expand_dims(keys, 0)
     p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 1), q_pos, k_pos, ctx, scale_log2, RULES)
-    key_id_range = (0, 0)
-    if RULES & SEGMENTS:  # the ids of the KEY_TILE keys around the tile
-        at = ctx[KEY_TILE_IDS] + tile * BLOCK_N // KEY_TILE * 2
-        key_id_range = (gl.load(at), gl.load(at + 1))
-    if all_allowed(first, tile * BLOCK_N, ROWS, BLOCK_N, ctx, row_id_range, key_id_range, CAUSAL, RULES) == 0:
+    key_tile = tile * BLOCK_N // KEY_TILE  # the KEY_TILE keys around the tile
+    one_segment = (key_tile >= segment_full[0]) & (key_tile < segment_full[1])
+    if all_allowed(first, tile * BLOCK_N, ROWS, BLOCK_N, ctx, one_segment, CAUSAL, RULES) == 0:
         key_ids = keys
         if RULES & SEGMENTS:
             key_ids = gl.load(ctx[KEY_IDS] + keys * ctx[KEY_IDS_STRIDE], mask=keys < ctx[LEN_K], other=0)
@@ -925,8 +925,8 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
         num_tiles, full_tiles = key_tiles(m0, len_q, len_k, BLOCK_N, CAUSAL)
     else:
         lo, num_tiles, _, _ = key_range(m0, ctx, BLOCK_N, CAUSAL, RULES, 2 * ROWS)
-        row_ids, row_id_range = row_segments(rows, ctx, rules, b, RULES)
-        row_rules = (ctx, row_ids, row_id_range, first)
+        row_ids, _ = row_segments(rows, ctx, rules, b, RULES)
+        row_rules = (ctx, row_ids, segment_full_tiles(ctx, first, RULES), first)
     dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(do_bar.index(half), 0)
@@ -984,7 +984,7 @@ def gluon_dq_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, dq_strides,
     heads_q, group, len_q, len_q_pad, len_k, num_row_tiles, heads_per_group, scale_log2, scale,
     left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K, seg_k_sb,
-    seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K,
+    seg_k_sn, SEG_BLOCKS, CU_Q, CU_K,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
     RULES: gl.constexpr,
 ):
@@ -996,7 +996,7 @@ def gluon_dq_kernel(
     `key_range`).
     """
     rules = (left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K,
-             seg_k_sb, seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K)
+             seg_k_sb, seg_k_sn, SEG_BLOCKS, CU_Q, CU_K)
     _, h, hk, m0, ctx, place = dq_work(rules, num_row_tiles, heads_q, group, heads_per_group, len_q, len_k,
                                        scale_log2, CAUSAL, RULES)
     dtype: gl.constexpr = q_desc.dtype
@@ -1113,16 +1113,15 @@ def backward_rule_bits(params: AttentionParams, rules, packing=None) -> int:
 def backward_rule_arguments(q: torch.Tensor, k: torch.Tensor, params: AttentionParams, rules,
                             cfg: GluonBackwardConfig, packing=None) -> tuple[tuple, tuple]:
     """The arguments from `left` on of the dK/dV kernel and of the dQ kernel: the forward's
-    (`rule_arguments`) less the sinks, the dK/dV kernel with its own segment-id tables (each 128-key
-    block's query tiles, each query tile's id range)."""
+    (`rule_arguments`) less the sinks, the dK/dV kernel with its own segment-id table (each 128-key
+    block's query tiles)."""
     forward = rule_arguments(q, k, params, rules, packing)
     dq_rules = forward[:6] + forward[7:]
     if rules is None or rules.q_segment_ids is None:
         return dq_rules, dq_rules
     q_ids, k_ids = rules.q_segment_ids, rules.k_segment_ids
-    tables = (segment_tile_ranges(k_ids, q_ids, KEY_TILE.value, cfg.dkdv_block_m),
-              tile_id_ranges(q_ids, cfg.dkdv_block_m))
-    return dq_rules[:13] + tables + dq_rules[15:], dq_rules
+    query_tiles = segment_tile_ranges(k_ids, q_ids, KEY_TILE.value, cfg.dkdv_block_m)
+    return dq_rules[:13] + (query_tiles,) + dq_rules[14:], dq_rules
 
 
 @triton.jit

@@ -57,7 +57,7 @@ from ...problem import UNBOUNDED, AttentionParams, ScoreRules
 from . import schedule
 from .configs import ceil_div, gluon_device_reasons, multiprocessor_count, tma_compatible
 from .passes import on_device, scalar_args
-from .segment_tables import segment_tile_ranges, tile_id_ranges
+from .segment_tables import segment_tile_ranges
 from .replay import run_kernel
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
@@ -130,8 +130,8 @@ SLOPE: gl.constexpr = gl.constexpr(9)  # ALiBi slope / scale
 PREFIX_KEYS: gl.constexpr = gl.constexpr(10)  # min(prefix, len_k)
 KEY_IDS: gl.constexpr = gl.constexpr(11)  # the keys' segment ids, and their stride
 KEY_IDS_STRIDE: gl.constexpr = gl.constexpr(12)
-KEY_TILE_IDS: gl.constexpr = gl.constexpr(13)  # each key tile's (least, greatest) id
-BLOCK_KEY_TILES: gl.constexpr = gl.constexpr(14)  # each 64-row block's key tiles [lo, hi) by segment ids
+BLOCK_KEY_TILES: gl.constexpr = gl.constexpr(13)  # each 64-row block's row of `segment_tables`
+SEGMENT_FIELDS: gl.constexpr = gl.constexpr(4)  # a row of `segment_tables`: lo, hi, full_lo, full_hi
 # Which key tiles a step masks (`softmax_tile`): none, every one, those from the first not-full one on.
 UNMASKED: gl.constexpr = gl.constexpr(0)
 MASKED: gl.constexpr = gl.constexpr(1)
@@ -248,11 +248,10 @@ def work_context(rules, b, h, len_q, len_k, scale_log2, RULES: gl.constexpr):
     """What the rules and the packing fix for (b, h), in raw score units (scores before the scale): a
     tuple indexed by LEN_Q, ..., BLOCK_KEY_TILES. `rules` is the kernel's (`gluon_forward_kernel`)."""
     (left, right, cap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K, seg_k_sb,
-     seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K) = rules
+     seg_k_sn, SEG_BLOCKS, CU_Q, CU_K) = rules
     q_start = 0
     k_start = 0
     coord_b = b
-    key_tiles_of_b = gl.cdiv(len_k, KEY_TILE)
     row_blocks_of_b = gl.cdiv(len_q, ROWS)
     if RULES & VARLEN:
         q_start = gl.load(CU_Q + b)
@@ -267,20 +266,35 @@ def work_context(rules, b, h, len_q, len_k, scale_log2, RULES: gl.constexpr):
     if RULES & PREFIX:
         prefix = gl.minimum(gl.load(PREFIX_PTR + b), len_k)
     return (len_q, len_k, q_start, k_start, coord_b, left, right, cap, 1.0 / cap, slope, prefix,
-            SEG_K + b * seg_k_sb, seg_k_sn, KEY_IDS + b * key_tiles_of_b * 2, SEG_BLOCKS + b * row_blocks_of_b * 2)
+            SEG_K + b * seg_k_sb, seg_k_sn, SEG_BLOCKS + b * row_blocks_of_b * SEGMENT_FIELDS)
 
 
 @gluon.jit
 def segment_key_range(ctx, first, last):
     """[lo, hi) of the key tiles whose segment ids can meet those of rows first..last (their 64-row
-    blocks' ranges, `segment_block_ranges`)."""
+    blocks' rows of `segment_tables`)."""
     SEG_BLOCKS = ctx[BLOCK_KEY_TILES]
-    lo = gl.load(SEG_BLOCKS + first // ROWS * 2)
-    hi = gl.load(SEG_BLOCKS + first // ROWS * 2 + 1)
+    lo = gl.load(SEG_BLOCKS + first // ROWS * SEGMENT_FIELDS)
+    hi = gl.load(SEG_BLOCKS + first // ROWS * SEGMENT_FIELDS + 1)
     for block in range(first // ROWS + 1, last // ROWS + 1):
-        lo = gl.minimum(lo, gl.load(SEG_BLOCKS + block * 2))
-        hi = gl.maximum(hi, gl.load(SEG_BLOCKS + block * 2 + 1))
+        lo = gl.minimum(lo, gl.load(SEG_BLOCKS + block * SEGMENT_FIELDS))
+        hi = gl.maximum(hi, gl.load(SEG_BLOCKS + block * SEGMENT_FIELDS + 1))
     return lo, hi
+
+
+@gluon.jit
+def segment_full_tiles(ctx, first, RULES: gl.constexpr):
+    """[full_lo, full_hi): the key tiles whose ids all equal the one id of the 64 rows from `first` (a
+    multiple of 64; rows outside the sequence take the nearest block's), so no segment masks them; every
+    tile without SEGMENTS."""
+    full_lo = 0
+    full_hi = 2147483647
+    if RULES & SEGMENTS:
+        block = gl.minimum(gl.maximum(first, 0), gl.maximum(ctx[LEN_Q] - 1, 0)) // ROWS
+        at = ctx[BLOCK_KEY_TILES] + block * SEGMENT_FIELDS
+        full_lo = gl.load(at + 2)
+        full_hi = gl.load(at + 3)
+    return full_lo, full_hi
 
 
 @gluon.jit
@@ -498,17 +512,15 @@ def allowed_pairs(q_pos, k_pos, q_ids, k_ids, ctx, CAUSAL: gl.constexpr, RULES: 
 
 
 @gluon.jit
-def needs_mask(tile, full_lo, full_hi, ctx, row_id_range, RULES: gl.constexpr):
+def needs_mask(tile, full_lo, full_hi, ctx, segment_full, RULES: gl.constexpr):
     """Whether some row of the warpgroup may not see some key of tile `tile`: outside the band's full
-    tiles and the prefix's, or (SEGMENTS) the rows' ids (row_id_range: least, greatest) and the tile's
-    are not all one id."""
+    tiles and the prefix's, or (SEGMENTS) outside segment_full, the tiles of the rows' one id alone
+    (`segment_full_tiles`)."""
     masked = (tile < full_lo) | (tile >= full_hi)
     if RULES & PREFIX:
         masked = masked & (tile >= ctx[PREFIX_KEYS] // KEY_TILE)
     if RULES & SEGMENTS:
-        ids = ctx[KEY_TILE_IDS] + tile * 2
-        low, high = row_id_range
-        masked = masked | (low != high) | (gl.load(ids) != low) | (gl.load(ids + 1) != low)
+        masked = masked | (tile < segment_full[0]) | (tile >= segment_full[1])
     return masked
 
 
@@ -517,7 +529,7 @@ def softmax_tile(s, m_i, l_i, rows, tile, ctx, row_ids, bounds, scale_log2, dtyp
                  p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, RULES: gl.constexpr):
     """Fold raw scores s of key tile `tile` into (m_i, l_i); returns P (dot operand), new m, l, alpha.
     MASK: UNMASKED, MASKED, or MASKED_FROM_FULL (masked where `needs_mask` says, bounds =
-    (full_lo, full_hi, the rows' segment id range))."""
+    (full_lo, full_hi, `segment_full_tiles`))."""
     s = modified_scores(s, rows, tile, ctx, RULES)
     if MASK == MASKED:
         s = masked_scores(s, rows, tile, ctx, row_ids, CAUSAL, RULES)
@@ -622,8 +634,8 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, O, LSE, lse
         _, own_hi, full_lo, full_hi = key_range(m0 + half * ROWS, ctx, BLOCK_N, CAUSAL, RULES, ROWS)
     own_tiles = gl.maximum(own_hi - lo, 0)
     rows = m0 + half * ROWS + gl.arange(0, ROWS, layout=row_layout)
-    row_ids, id_range = row_segments(rows, ctx, rules, b, RULES)
-    bounds = (full_lo, full_hi, id_range)
+    row_ids, _ = row_segments(rows, ctx, rules, b, RULES)
+    bounds = (full_lo, full_hi, segment_full_tiles(ctx, m0 + half * ROWS, RULES))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
@@ -643,7 +655,7 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, O, LSE, lse
                                                      lo + j, ring0 + j, ctx, row_ids, bounds, scale_log2,
                                                      p_layout, MASKED_FROM_FULL, CAUSAL, PINGPONG, RULES)
         else:
-            gl.static_assert(RULES == 0, "score rules and packing take the one key loop")
+            gl.static_assert((RULES | VARLEN) == VARLEN, "score rules take the one key loop")
             for j in range(1, full_hi):
                 s, p, acc, m_i, l_i = pipelined_step(half, q, k_smem, v_smem, bars, s, p, acc, m_i, l_i, rows,
                                                      j, ring0 + j, ctx, row_ids, bounds, scale_log2, p_layout, UNMASKED,
@@ -761,7 +773,7 @@ def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, O, LSE
 def gluon_forward_kernel(
     q_desc, k_desc, v_desc, o_desc, O, LSE, lse_stride, heads_q, batch_heads, group, len_q, len_k, num_row_tiles,
     heads_per_group, scale_log2, left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, SINKS_PTR, PREFIX_PTR,
-    SEG_Q, seg_q_sb, seg_q_sn, SEG_K, seg_k_sb, seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K,
+    SEG_Q, seg_q_sb, seg_q_sn, SEG_K, seg_k_sb, seg_k_sn, SEG_BLOCKS, CU_Q, CU_K,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, ONE_KEY_LOOP: gl.constexpr, RULES: gl.constexpr,
 ):
@@ -772,8 +784,8 @@ def gluon_forward_kernel(
     lse_stride apart. RULES (bits, `rule_bits`): the window's left bound, a right bound other than 0
     (CAUSAL: any right bound), softcap (raw units: softcap / scale), ALiBi slopes (B, Hq) at ALIBI_PTR,
     sinks (Hq,), prefix (B,), segment
-    ids (B, Nq) and (B, Nk) with their 64-row blocks' key-tile ranges SEG_BLOCKS and key tiles' id
-    ranges KEY_IDS (`segment_tables`), and VARLEN: sequence b owns rows CU_Q[b]:CU_Q[b+1] of the
+    ids (B, Nq) and (B, Nk) with their 64-row blocks' key-tile ranges SEG_BLOCKS (`segment_tables`),
+    and VARLEN: sequence b owns rows CU_Q[b]:CU_Q[b+1] of the
     (1, Hq, total_q, D) views (CU_K: of K/V), len_q and len_k being the longest, O the packed out.
     """
     dtype: gl.constexpr = q_desc.dtype
@@ -806,7 +818,7 @@ def gluon_forward_kernel(
         mbarrier.init(sched.index(i), count=1)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched)
     rules = (left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K,
-             seg_k_sb, seg_k_sn, SEG_BLOCKS, KEY_IDS, CU_Q, CU_K)
+             seg_k_sb, seg_k_sn, SEG_BLOCKS, CU_Q, CU_K)
 
     # Run-time values travel as one tuple; the constexprs are written out in each entry (a constexpr
     # inside a tuple bound to a name would reach the partitions as a run-time value).
@@ -953,7 +965,7 @@ def rule_arguments(q, k, params: AttentionParams, rules, packing) -> tuple:
     rules = rules or ScoreRules()
     alibi, sinks, prefix, seg_q, seg_k = (rules.alibi_slopes, rules.sinks, rules.prefix, rules.q_segment_ids,
                                           rules.k_segment_ids)
-    seg_blocks, key_ids = segment_tables(seg_q, seg_k) if seg_q is not None else (None, None)
+    seg_blocks = segment_tables(seg_q, seg_k) if seg_q is not None else None
     cu_q, cu_k = (packing.cu_q, packing.cu_k) if packing is not None else (None, None)
     placeholder = q
 
@@ -964,14 +976,13 @@ def rule_arguments(q, k, params: AttentionParams, rules, packing) -> tuple:
         return (0, 0) if x is None else x.stride()
 
     return (left, right, softcap, given(alibi), *strides(alibi), given(sinks), given(prefix), given(seg_q),
-            *strides(seg_q), given(seg_k), *strides(seg_k), given(seg_blocks), given(key_ids), given(cu_q),
-            given(cu_k))
+            *strides(seg_q), given(seg_k), *strides(seg_k), given(seg_blocks), given(cu_q), given(cu_k))
 
 
-def segment_tables(q_ids: torch.Tensor, k_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 (B, Nq / 64, 2): each 64-row block's key tiles [lo, hi) whose ids can meet its own, and
-    int32 (B, Nk / KEY_TILE, 2): each key tile's least and greatest id. On the device, O(B * N / 64)."""
-    return segment_tile_ranges(q_ids, k_ids, ROWS.value, KEY_TILE.value), tile_id_ranges(k_ids, KEY_TILE.value)
+def segment_tables(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
+    """int32 (B, Nq / 64, 4): each 64-row block's key tiles [lo, hi) whose ids can meet its own, and
+    [full_lo, full_hi) those of its one id alone (`segment_tile_ranges`). On the device, O(B * N / 64)."""
+    return segment_tile_ranges(q_ids, k_ids, ROWS.value, KEY_TILE.value)
 
 
 def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, programs: int | None = None,
@@ -1026,5 +1037,11 @@ def kernel_constants(dim: int, causal: bool, rules: int = 0) -> dict:
         raise ValueError(f"GluonConfig.consumers must be 2 or 3, got {cfg.consumers}")
     maxnreg, consumer_regs = register_split(cfg.consumers)
     return dict(STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong, PERSISTENT=persistent_grid(cfg, causal),
-                ONE_KEY_LOOP=cfg.one_key_loop or rules != 0, RULES=rules,
+                ONE_KEY_LOOP=takes_one_key_loop(cfg, rules), RULES=rules,
                 CONSUMERS=cfg.consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+
+
+def takes_one_key_loop(cfg: GluonConfig, rules: int) -> bool:
+    """Whether the kernel runs one key loop: `cfg.one_key_loop`, or any score rule (packing alone keeps
+    the loop of full tiles and the loop of masked ones: its full tiles start at key tile 0)."""
+    return cfg.one_key_loop or (rules | VARLEN.value) != VARLEN.value

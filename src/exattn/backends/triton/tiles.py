@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .segment_tables import RANGE_FIELDS
+
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -197,10 +199,10 @@ def segment_ids(SEG, seg_strides, b, idx, n, other, HAS_SEGMENTS: tl.constexpr):
 
 @triton.jit
 def with_segment_tiles(segments, RANGES, b, tile, num_tiles):
-    """Runs narrowed to the tiles whose segment ids can match this tile's (RANGES: int32 (B, num_tiles, 2),
-    [lo, hi) per tile, from per-tile id ranges); one masked run."""
+    """Runs narrowed to the tiles whose segment ids can match this tile's (RANGES: `segment_tile_ranges`,
+    [lo, hi) first in each tile's row); one masked run."""
     lo, full_lo, full_hi, hi = segments
-    at = RANGES + (b * num_tiles + tile) * 2
+    at = RANGES + (b * num_tiles + tile) * RANGE_FIELDS
     lo = tl.maximum(lo, tl.load(at))
     hi = tl.maximum(tl.minimum(hi, tl.load(at + 1)), lo)
     return lo, hi, hi, hi
