@@ -199,13 +199,15 @@ def segment_ids(SEG, seg_strides, b, idx, n, other, HAS_SEGMENTS: tl.constexpr):
 
 @triton.jit
 def with_segment_tiles(segments, RANGES, b, tile, num_tiles):
-    """Runs narrowed to the tiles whose segment ids can match this tile's (RANGES: `segment_tile_ranges`,
-    [lo, hi) first in each tile's row); one masked run."""
+    """Runs narrowed to the tiles whose segment ids can match this tile's, the unmasked run to those
+    holding its one id alone (RANGES: `segment_tile_ranges`, a row per tile)."""
     lo, full_lo, full_hi, hi = segments
     at = RANGES + (b * num_tiles + tile) * RANGE_FIELDS
     lo = tl.maximum(lo, tl.load(at))
     hi = tl.maximum(tl.minimum(hi, tl.load(at + 1)), lo)
-    return lo, hi, hi, hi
+    full_lo = tl.minimum(tl.maximum(tl.maximum(full_lo, tl.load(at + 2)), lo), hi)
+    full_hi = tl.minimum(tl.maximum(tl.minimum(full_hi, tl.load(at + 3)), full_lo), hi)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
