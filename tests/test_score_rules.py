@@ -357,6 +357,19 @@ def test_segment_ids_skip_empty_tiles(monkeypatch, causal):
     assert len(expected) < total / 4
 
 
+def test_segment_ids_leave_tiles_of_one_id_unmasked():
+    """A tile needs no segment mask only where, in every batch entry, its rows and keys hold one id."""
+    from exattn.backends.tiled import SegmentSkip
+    from exattn.problem import ScoreRules
+
+    ids = torch.tensor([[0] * 8 + [1] * 8, [0] * 4 + [1] * 12], dtype=torch.int32)
+    skip = SegmentSkip(ScoreRules(q_segment_ids=ids, k_segment_ids=ids), 4, 4)
+    assert skip.one_id(range(0, 4), range(0, 4))
+    assert skip.one_id(range(8, 12), range(12, 16))
+    assert not skip.one_id(range(0, 4), range(4, 8))  # the second entry's keys 4-7 hold id 1
+    assert not skip.one_id(range(0, 8), range(0, 4))  # the second entry's rows hold two ids
+    assert not skip.one_id(range(8, 12), range(0, 4))
+
 def test_prefix_tiles_are_computed_and_the_rest_skipped(monkeypatch):
     """Causal with a prefix of 20 keys, 8 x 8 tiles: the causal triangle plus the prefix columns."""
     q, k, v = make_qkv(1, 1, 1, 64, 64, 8, 8, torch.float32, torch.Generator().manual_seed(0))

@@ -110,6 +110,15 @@ class SegmentSkip:
     def live_query_blocks(self, cols: range) -> list[bool]:
         return self.live(self.k_min, self.k_max, cols, self.block_n, self.q_min, self.q_max)
 
+    def one_id(self, rows: range, cols: range) -> bool:
+        """Whether, in every batch entry, the rows and the keys of the tile hold one id, the same: the
+        segment ids then allow every pair of the tile and need no mask."""
+        q_blocks = slice(rows.start // self.block_m, (rows.stop - 1) // self.block_m + 1)
+        k_blocks = slice(cols.start // self.block_n, (cols.stop - 1) // self.block_n + 1)
+        least = self.q_min[:, q_blocks].amin(1)
+        return bool(((self.q_max[:, q_blocks].amax(1) == least) & (self.k_min[:, k_blocks].amin(1) == least)
+                     & (self.k_max[:, k_blocks].amax(1) == least)).all())
+
 
 def touches_live(live: list[bool] | None, span: range, block: int) -> bool:
     return live is None or any(live[span.start // block:(span.stop - 1) // block + 1])
@@ -216,8 +225,11 @@ class TileContext:
         if self.mask is not None:
             mask_tile = self.mask[..., rows.start:rows.stop, cols.start:cols.stop]
         grad_tile = None if softcap_grad is None else self.unstack(softcap_grad, rows)
+        rules = self.rules
+        if self.segments is not None and self.segments.one_id(rows, cols):
+            rules = rules._replace(q_segment_ids=None, k_segment_ids=None)
         ruled = apply_score_rules(self.unstack(scores, rows), rows, cols, self.len_q, self.len_k,
-                                  self.params.window, mask_tile, self.rules, self.params.softcap, grad_tile)
+                                  self.params.window, mask_tile, rules, self.params.softcap, grad_tile)
         return ruled.reshape(scores.shape)
 
     def product(self, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
