@@ -98,7 +98,6 @@ from .gluon_forward import (
     Q_START,
     RIGHT_ROWS,
     ROWS,
-    SEGMENT_FIELDS,
     SEGMENTS,
     SINKS,
     SOFTCAP,
@@ -135,7 +134,7 @@ from .gluon_forward import (
 )
 from .passes import LOG2E, grid_of, on_device, settings
 from .replay import run_kernel
-from .segment_tables import segment_tile_ranges
+from .segment_tables import RANGE_FIELDS, segment_tile_ranges
 
 
 class GluonBackwardConfig(NamedTuple):
@@ -264,8 +263,8 @@ def query_range(n0, ctx, QUERY_TILES, BLOCK_M: gl.constexpr, CAUSAL: gl.constexp
         lo = gl.where(in_prefix, 0, lo)
         hi = gl.where(in_prefix, all_tiles, hi)
     if RULES & SEGMENTS:
-        lo = gl.maximum(lo, gl.load(QUERY_TILES + n0 // KEY_TILE * SEGMENT_FIELDS))
-        hi = gl.minimum(hi, gl.load(QUERY_TILES + n0 // KEY_TILE * SEGMENT_FIELDS + 1))
+        lo = gl.maximum(lo, gl.load(QUERY_TILES + n0 // KEY_TILE * RANGE_FIELDS))
+        hi = gl.minimum(hi, gl.load(QUERY_TILES + n0 // KEY_TILE * RANGE_FIELDS + 1))
     hi = gl.where(n0 < len_k, gl.minimum(hi, all_tiles), 0)  # a packed sequence may end before n0
     return gl.minimum(lo, hi), hi
 
@@ -323,7 +322,7 @@ def key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group
         place = (b, 0, 0)
     else:
         ctx = work_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
-        QUERY_TILES = rules[13] + b * gl.cdiv(len_k, KEY_TILE) * SEGMENT_FIELDS
+        QUERY_TILES = rules[13] + b * gl.cdiv(len_k, KEY_TILE) * RANGE_FIELDS
         lo, hi = query_range(n0, ctx, QUERY_TILES, BLOCK_M, CAUSAL, RULES)
         full = hi
         place = sequence_place(b, ctx, RULES)
@@ -627,7 +626,7 @@ def key_block_rules(rules, b, first, len_q, len_k, s_layout: gl.constexpr, BLOCK
     SEG_Q, seg_q_sb, seg_q_sn = rules[7], rules[8], rules[9]
     query_full = (0, 0)
     if RULES & SEGMENTS:
-        at = rules[13] + (b * gl.cdiv(len_k, KEY_TILE) + first // KEY_TILE) * SEGMENT_FIELDS
+        at = rules[13] + (b * gl.cdiv(len_k, KEY_TILE) + first // KEY_TILE) * RANGE_FIELDS
         query_full = (gl.load(at + 2), gl.load(at + 3))
     return keys, key_ids, first, SEG_Q + b * seg_q_sb, seg_q_sn, query_full
 

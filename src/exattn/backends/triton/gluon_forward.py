@@ -57,7 +57,7 @@ from ...problem import UNBOUNDED, AttentionParams, ScoreRules
 from . import schedule
 from .configs import ceil_div, gluon_device_reasons, multiprocessor_count, tma_compatible
 from .passes import on_device, scalar_args
-from .segment_tables import segment_tile_ranges
+from .segment_tables import RANGE_FIELDS, segment_tile_ranges
 from .replay import run_kernel
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
@@ -131,7 +131,6 @@ PREFIX_KEYS: gl.constexpr = gl.constexpr(10)  # min(prefix, len_k)
 KEY_IDS: gl.constexpr = gl.constexpr(11)  # the keys' segment ids, and their stride
 KEY_IDS_STRIDE: gl.constexpr = gl.constexpr(12)
 BLOCK_KEY_TILES: gl.constexpr = gl.constexpr(13)  # each 64-row block's row of `segment_tables`
-SEGMENT_FIELDS: gl.constexpr = gl.constexpr(4)  # a row of `segment_tables`: lo, hi, full_lo, full_hi
 # Which key tiles a step masks (`softmax_tile`): none, every one, those from the first not-full one on.
 UNMASKED: gl.constexpr = gl.constexpr(0)
 MASKED: gl.constexpr = gl.constexpr(1)
@@ -266,7 +265,7 @@ def work_context(rules, b, h, len_q, len_k, scale_log2, RULES: gl.constexpr):
     if RULES & PREFIX:
         prefix = gl.minimum(gl.load(PREFIX_PTR + b), len_k)
     return (len_q, len_k, q_start, k_start, coord_b, left, right, cap, 1.0 / cap, slope, prefix,
-            SEG_K + b * seg_k_sb, seg_k_sn, SEG_BLOCKS + b * row_blocks_of_b * SEGMENT_FIELDS)
+            SEG_K + b * seg_k_sb, seg_k_sn, SEG_BLOCKS + b * row_blocks_of_b * RANGE_FIELDS)
 
 
 @gluon.jit
@@ -274,11 +273,11 @@ def segment_key_range(ctx, first, last):
     """[lo, hi) of the key tiles whose segment ids can meet those of rows first..last (their 64-row
     blocks' rows of `segment_tables`)."""
     SEG_BLOCKS = ctx[BLOCK_KEY_TILES]
-    lo = gl.load(SEG_BLOCKS + first // ROWS * SEGMENT_FIELDS)
-    hi = gl.load(SEG_BLOCKS + first // ROWS * SEGMENT_FIELDS + 1)
+    lo = gl.load(SEG_BLOCKS + first // ROWS * RANGE_FIELDS)
+    hi = gl.load(SEG_BLOCKS + first // ROWS * RANGE_FIELDS + 1)
     for block in range(first // ROWS + 1, last // ROWS + 1):
-        lo = gl.minimum(lo, gl.load(SEG_BLOCKS + block * SEGMENT_FIELDS))
-        hi = gl.maximum(hi, gl.load(SEG_BLOCKS + block * SEGMENT_FIELDS + 1))
+        lo = gl.minimum(lo, gl.load(SEG_BLOCKS + block * RANGE_FIELDS))
+        hi = gl.maximum(hi, gl.load(SEG_BLOCKS + block * RANGE_FIELDS + 1))
     return lo, hi
 
 
@@ -291,7 +290,7 @@ def segment_full_tiles(ctx, first, RULES: gl.constexpr):
     full_hi = 2147483647
     if RULES & SEGMENTS:
         block = gl.minimum(gl.maximum(first, 0), gl.maximum(ctx[LEN_Q] - 1, 0)) // ROWS
-        at = ctx[BLOCK_KEY_TILES] + block * SEGMENT_FIELDS
+        at = ctx[BLOCK_KEY_TILES] + block * RANGE_FIELDS
         full_lo = gl.load(at + 2)
         full_hi = gl.load(at + 3)
     return full_lo, full_hi

@@ -21,7 +21,7 @@ from .configs import ceil_div
 from .replay import run_kernel
 
 BLOCKS_PER_PROGRAM = 4  # row blocks each program of `segment_ranges_kernel` serves
-RANGE_FIELDS = tl.constexpr(4)  # lo, hi, full_lo, full_hi
+RANGE_FIELDS: tl.constexpr = tl.constexpr(4)  # a row of the table: lo, hi, full_lo, full_hi
 CHUNK = 1024  # ids read at once by the sortedness scan
 
 
