@@ -71,6 +71,11 @@ def product_into(buffer: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: 
     return out
 
 
+def blocks_of(span: range, block: int) -> slice:
+    """The blocks of `block` positions that `span` touches."""
+    return slice(span.start // block, (span.stop - 1) // block + 1)
+
+
 def block_extrema(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each batch entry's least and greatest id per block of `block` positions: two CPU
     tensors (B, ceil(N / block)). The last block is padded with the last id."""
@@ -99,7 +104,7 @@ class SegmentSkip:
     @staticmethod
     def live(lo_min, lo_max, span: range, block: int, other_min, other_max) -> list[bool]:
         """For every block of the other side: may it meet the blocks that `span` touches?"""
-        blocks = slice(span.start // block, (span.stop - 1) // block + 1)
+        blocks = blocks_of(span, block)
         least = lo_min[:, blocks].amin(1, keepdim=True)
         greatest = lo_max[:, blocks].amax(1, keepdim=True)
         return ((least <= other_max) & (other_min <= greatest)).any(0).tolist()
@@ -113,15 +118,14 @@ class SegmentSkip:
     def one_id(self, rows: range, cols: range) -> bool:
         """Whether, in every batch entry, the rows and the keys of the tile hold one id, the same: the
         segment ids then allow every pair of the tile and need no mask."""
-        q_blocks = slice(rows.start // self.block_m, (rows.stop - 1) // self.block_m + 1)
-        k_blocks = slice(cols.start // self.block_n, (cols.stop - 1) // self.block_n + 1)
+        q_blocks, k_blocks = blocks_of(rows, self.block_m), blocks_of(cols, self.block_n)
         least = self.q_min[:, q_blocks].amin(1)
         return bool(((self.q_max[:, q_blocks].amax(1) == least) & (self.k_min[:, k_blocks].amin(1) == least)
                      & (self.k_max[:, k_blocks].amax(1) == least)).all())
 
 
 def touches_live(live: list[bool] | None, span: range, block: int) -> bool:
-    return live is None or any(live[span.start // block:(span.stop - 1) // block + 1])
+    return live is None or any(live[blocks_of(span, block)])
 
 
 class TileContext:
