@@ -18,6 +18,8 @@ Also records exattn-varlen's device memory beyond its outputs and lse, forward a
 forward + backward (beyond the gradients), as a fraction of the inputs' bytes.
 
     PYTHONPATH=src python3 benchmarks/varlen.py --out benchmarks/results/varlen-h200.json
+    # rerun some cells into that table (their rows replaced, the run listed in its meta):
+    PYTHONPATH=src python3 benchmarks/varlen.py --packings "short 64-1024" --head-dims 64 --update
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-ms", type=float, default=10)
     p.add_argument("--rep-ms", type=float, default=30)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/varlen-h200.json"))
+    p.add_argument("--update", action="store_true",
+                   help="replace only the measured cells' rows of an existing --out (its meta lists them)")
     return p.parse_args(argv)
 
 
@@ -230,8 +234,31 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("impl", "packing", "head_dim", "causal", "fwd_tflops",
                                                   "bwd_tflops", "error")}), flush=True)
-    Path(args.out).write_text(json.dumps({"meta": versions(), "rows": rows}, indent=1) + "\n")
+    meta = versions()
+    if args.update and Path(args.out).exists():
+        rows, meta = updated(json.loads(Path(args.out).read_text()), rows, meta)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(table(rows))
+
+
+def updated(results: dict, rows: list, meta: dict) -> tuple[list, dict]:
+    """(rows, meta) of `results` with the cells of `rows` replaced by them, their run's meta under
+    "updated" (a list: one entry per update, with its cells)."""
+    def cell(row):
+        return row["packing"], row["head_dim"], row["causal"]
+
+    measured = {cell(r) for r in rows}
+    merged, placed = [], set()
+    for r in results["rows"]:
+        if cell(r) not in measured:
+            merged.append(r)
+        elif cell(r) not in placed:  # the cell's new rows where its old ones were
+            merged += [x for x in rows if cell(x) == cell(r)]
+            placed.add(cell(r))
+    merged += [x for x in rows if cell(x) not in placed]
+    old = dict(results["meta"])
+    old["updated"] = [*old.get("updated", []), {**meta, "cells": sorted(measured)}]
+    return merged, old
 
 
 if __name__ == "__main__":

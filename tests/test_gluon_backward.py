@@ -13,6 +13,7 @@ reruns, accumulate_into, and the dispatch of backend "triton".
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 
@@ -36,6 +37,7 @@ from test_gluon_forward import (
 import exattn
 from exattn.backends.triton import gluon_backward as gb
 from exattn.backends.triton import gluon_forward as gf
+from exattn.backends.triton.passes import Packing
 from exattn.problem import AttentionParams
 from exattn.reference import attention_ref
 
@@ -72,7 +74,7 @@ def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, 
         dq, dk, dv = (torch.empty(2, 300, x.shape[1], dim).transpose(1, 2) for x in (q, k, v))
     else:
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-    pad = gb.padded_rows(300, cfg)
+    pad = gb.stats_rows(300)
     lse2 = delta = torch.empty(8, pad)
     dkdv_rules, dq_rules = rule_tables or gb.backward_rule_arguments(q, k, AttentionParams(scale=1.0), None, cfg)
     if kind == "dkdv":
@@ -196,16 +198,19 @@ def rule_tables() -> tuple:
 @pytest.mark.parametrize("kind", KERNELS)
 @pytest.mark.parametrize("dim,causal", [(64, True), (128, True), (128, False)])
 def test_rule_variants_compile_for_sm90(kind, dim, causal, rules, tmp_path):
-    """The score rules keep each kernel's design in their tiles (`RULE_CONFIGS`), without spills (the
-    dK/dV kernel may park a few scalars on the stack, as the causal diagonal does)."""
-    cfg = gb.RULE_CONFIGS[dim]
+    """The score rules keep each kernel's design in their tiles (`tile_config`): the 32-row tiles of
+    `RULE_CONFIGS` without spills (the dK/dV kernel may park a few scalars on the stack, as the causal
+    diagonal does); the 64-row tiles park at most what was measured faster than those (216 bytes: the
+    d = 64 dQ kernel's 128-key register tiles with prefix and segment ids)."""
+    cfg = gb.tile_config(BACKWARD_RULE_SETS[rules], False, dim)
+    allowed = 24 if cfg in gb.RULE_CONFIGS.values() else 216
     args, consts = launch_arguments(kind, dim, torch.bfloat16, False, cfg, rule_tables=rule_tables())
     consts["RULES"] = BACKWARD_RULE_SETS[rules]
     if kind == "dkdv":
         consts["ROTATE"] = False
     kernel = compile_gluon_for_sm90(KERNELS[kind], args, {**consts, "CAUSAL": causal})
     usage = resource_usage(kernel, tmp_path)
-    assert usage["LOCAL"] == 0 and usage["STACK"] <= 24, f"register spills: {usage}"
+    assert usage["LOCAL"] == 0 and usage["STACK"] <= allowed, f"register spills: {usage}"
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
     assert "setmaxnreg.inc" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
@@ -309,8 +314,9 @@ def test_packed_backward_refuses_accumulate_into(monkeypatch):
 
 
 def test_gluon_backward_serves_rules_and_packing_where_measured_faster():
-    """Rules and packing take the Gluon backward at d = 128 only, packing only with a right window bound
-    (`gluon_backward_faster`); plain problems at every head dim the kernels have."""
+    """`gluon_backward_faster` (`faster_than_triton`): plain problems, packing and every rule at d = 128; at
+    d = 64 all but segment ids and ALiBi without softcap. (Packed batches also need a longest sequence of
+    GLUON_PACKED_BACKWARD_MIN_LEN, which the varlen dispatch checks.)"""
     from exattn.backends.triton import gluon_backward_faster
     from exattn.backends.triton.passes import Packing
     from exattn.problem import ScoreRules
@@ -318,11 +324,15 @@ def test_gluon_backward_serves_rules_and_packing_where_measured_faster():
     causal, full = AttentionParams(scale=0.1, window=(-1, 0)), AttentionParams(scale=0.1)
     capped = AttentionParams(scale=0.1, window=(-1, 0), softcap=5.0)
     packing = Packing(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 8, 8)
-    sinks_only = ScoreRules(sinks=torch.zeros(4))
+    sinks_only, alibi = ScoreRules(sinks=torch.zeros(4)), ScoreRules(alibi_slopes=torch.ones(4))
+    segments = ScoreRules(q_segment_ids=torch.zeros(1, 8, dtype=torch.int32),
+                          k_segment_ids=torch.zeros(1, 8, dtype=torch.int32))
     assert gluon_backward_faster(64, causal, None) and gluon_backward_faster(64, full, sinks_only)
-    assert gluon_backward_faster(128, capped, None) and not gluon_backward_faster(64, capped, None)
-    assert gluon_backward_faster(128, causal, None, packing) and not gluon_backward_faster(128, full, None, packing)
-    assert not gluon_backward_faster(64, causal, None, packing)
+    assert gluon_backward_faster(128, capped, None) and gluon_backward_faster(64, capped, None)
+    assert gluon_backward_faster(128, full, None, packing) and gluon_backward_faster(64, causal, None, packing)
+    assert gluon_backward_faster(128, causal, alibi) and gluon_backward_faster(128, causal, segments)
+    assert not gluon_backward_faster(64, causal, alibi) and not gluon_backward_faster(64, full, segments, packing)
+    assert gluon_backward_faster(64, capped, alibi)
 
 
 def test_supports_names_head_dims_without_atomic_dq(monkeypatch):
@@ -420,6 +430,52 @@ def test_row_stats_pad_and_map_rows_with_no_key():
     torch.testing.assert_close(lse2[:, :77], expected)
     torch.testing.assert_close(delta[:, :77], (out.float() * dout.float()).sum(-1).reshape(6, 77), atol=1e-3, rtol=1e-4)
     assert (lse2[:, 77:] == float("inf")).all() and (delta[:, 77:] == 0).all()
+
+
+def test_tiles_follow_the_measured_choices():
+    """`tile_config` as the A/B on the H200 chose it (its comment)."""
+    packed, cap, alibi, seg, prefix = (x.value for x in (gf.VARLEN, gf.SOFTCAP, gf.ALIBI, gf.SEGMENTS, gf.PREFIX))
+    for bits in (packed, cap, alibi, seg | prefix, packed | cap, alibi | seg):
+        assert gb.tile_config(bits, False, 128) is gb.CONFIGS[128]
+    for bits in (cap | alibi, cap | seg, packed | cap | alibi):
+        assert gb.tile_config(bits, False, 128) is gb.RULE_CONFIGS[128]
+    assert gb.tile_config(cap, False, 64) is gb.RULE_CONFIGS[64] and gb.tile_config(prefix, False, 64) is gb.CONFIGS[64]
+    assert gb.tile_config(0, True, 128) is gb.ATOMIC_CONFIGS[128]
+
+
+def test_row_stats_place_packed_sequences_at_aligned_rows():
+    """Packed: sequence b's rows from `stats_start` (a multiple of STATS_ALIGN past every earlier
+    sequence), then +inf and 0 through the last 64-row tile a 1-D box of it can read (or the next
+    sequence's first row). Runs wherever Triton does."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(10)
+    lengths = [5, 0, 70, 1, 3]
+    cu_q = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    total, heads = int(cu_q[-1]), 3
+    out = torch.randn(total, heads, 64, device=device).half().transpose(0, 1)[None]  # (1, H, total, D) views
+    dout = torch.randn(total, heads, 64, device=device).half().transpose(0, 1)[None]
+    lse = torch.randn(heads, total, device=device)[None]
+    lse[0, 2, 7] = float("-inf")
+    packing = Packing(cu_q, cu_q, max(lengths), max(lengths))
+    pad = gb.stats_rows(total, packing)
+    lse2, delta = gb.row_stats(lse, out, dout, pad, None, packing)
+    assert lse2.shape == delta.shape == (heads, pad)
+    starts = [(int(cu_q[b]) // 4 + b) * 4 for b in range(len(lengths))]
+    expected_delta = (out.float() * dout.float()).sum(-1)[0]
+    for b, (start, length) in enumerate(zip(starts, lengths)):
+        first = int(cu_q[b])
+        expected = lse[0, :, first:first + length] * 1.4426950408889634
+        expected[expected == float("-inf")] = float("inf")
+        torch.testing.assert_close(lse2[:, start:start + length], expected)
+        torch.testing.assert_close(delta[:, start:start + length], expected_delta[:, first:first + length],
+                                   atol=1e-3, rtol=1e-4)
+        if length:
+            end = pad if b == len(lengths) - 1 else starts[b + 1]
+            tail = slice(start + length, min(start + -(-length // 64) * 64, end))
+            assert (lse2[:, tail] == float("inf")).all() and (delta[:, tail] == 0).all()
+    assert starts == sorted(starts) and all(s % 4 == 0 for s in starts)
+    assert all(starts[b] + lengths[b] <= starts[b + 1] for b in range(len(lengths) - 1))
+    assert starts[-1] + 64 <= pad
 
 
 def test_supports_refuses_lse_rows_beyond_32_bit_coordinates(monkeypatch):

@@ -476,9 +476,8 @@ def test_gpu_gluon_kernels_serve_packed_rules(case, d, dtype, kernel, monkeypatc
     monkeypatch.setattr(settings, "replay", False)  # a replayed call would not reach the kernels' entry
     module, entry = (gf, "run_gluon_forward") if kernel == "forward" else (gb, "run_gluon_backward")
     if kernel == "backward":
-        monkeypatch.setitem(backend.GLUON_BACKWARD_MIN_LEN, d, 1)
-        monkeypatch.setattr(backend, "GLUON_RULES_BACKWARD_HEAD_DIMS", (64, 128))  # also where Triton is faster
-        monkeypatch.setattr(backend, "GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND", False)
+        monkeypatch.setitem(backend.GLUON_PACKED_BACKWARD_MIN_LEN, d, 1)
+        monkeypatch.setattr(gb, "TRITON_FASTER_AT_D64", 0)  # also where Triton is faster
     calls = []
     real = getattr(module, entry)
     monkeypatch.setattr(module, entry, lambda *args: calls.append(1) or real(*args))

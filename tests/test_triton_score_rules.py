@@ -205,7 +205,7 @@ def test_gpu_gluon_backward_serves_the_rules(head_dim, rule, shape, monkeypatch)
     from exattn.backends.triton import gluon_backward as gb
 
     monkeypatch.setitem(backend.GLUON_BACKWARD_MIN_LEN, head_dim, 1)
-    monkeypatch.setattr(backend, "GLUON_RULES_BACKWARD_HEAD_DIMS", (64, 128))  # also where Triton is faster
+    monkeypatch.setattr(gb, "TRITON_FASTER_AT_D64", 0)  # also where Triton is faster
     calls = counted(monkeypatch, gb, "run_gluon_backward")
     q, k, v, sinks, kwargs = gluon_rule_case(rule, shape, head_dim, seed=shape[3] + 1)
     check(q, k, v, sinks=sinks, **kwargs)

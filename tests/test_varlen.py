@@ -410,6 +410,29 @@ def test_gpu_triton_kernels(packing, dtype, causal, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packing", GPU_PACKINGS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_gluon_backward_serves_packing_alone(packing, dtype, causal, head_dim, monkeypatch):
+    """The Gluon backward on packed batches with no other rule (its plain tiles, `tile_config`), at every
+    length and head dim here: it is the one called, and its sequences' stats rows are their own."""
+    from exattn.backends import triton as backend
+    from exattn.backends.triton import gluon_backward as gb
+    from exattn.backends.triton import settings
+
+    monkeypatch.setattr(settings, "replay", False)  # a replayed call would not reach the kernels' entry
+    monkeypatch.setitem(backend.GLUON_PACKED_BACKWARD_MIN_LEN, head_dim, 1)
+    calls = []
+    real = gb.run_gluon_backward
+    monkeypatch.setattr(gb, "run_gluon_backward", lambda *args: calls.append(1) or real(*args))
+    lens_q, lens_k = GPU_PACKINGS[packing]
+    check(lens_q, lens_k, dtype, hq=8, hk=2, d=head_dim, dv=head_dim, causal=causal, backends=("triton",),
+          device="cuda")
+    assert calls == [1]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("atomic_dq", [False, True])
 def test_gpu_window_dropout_and_atomic_dq(monkeypatch, atomic_dq):
     from exattn.backends.triton.passes import settings

@@ -36,3 +36,16 @@ def test_table_reports_ratios_and_failures():
     assert line == "| equal | 64 | no | 8 | 400 | 1.00 | 2.00 | – | 300 | 2.00 | 1.00 | – | – |"
     line = varlen.table(rows + [row("exattn-varlen-unvalidated", 500.0, 300.0)]).splitlines()[-1]
     assert line.endswith("| 1.25 |")
+
+
+def test_update_replaces_only_the_measured_cells_in_place():
+    def row(packing, d, impl, tflops):
+        return dict(impl=impl, packing=packing, head_dim=d, causal=False, fwd_tflops=tflops)
+
+    results = {"meta": {"date": "old"}, "rows": [row("equal", 64, "a", 1.0), row("equal", 64, "b", 2.0),
+                                                 row("short", 64, "a", 3.0), row("short", 128, "a", 4.0)]}
+    rows, meta = varlen.updated(results, [row("short", 64, "a", 30.0), row("short", 64, "b", 31.0)], {"date": "new"})
+    assert [(r["packing"], r["head_dim"], r["impl"], r["fwd_tflops"]) for r in rows] == [
+        ("equal", 64, "a", 1.0), ("equal", 64, "b", 2.0), ("short", 64, "a", 30.0), ("short", 64, "b", 31.0),
+        ("short", 128, "a", 4.0)]
+    assert meta == {"date": "old", "updated": [{"date": "new", "cells": [("short", 64, False)]}]}

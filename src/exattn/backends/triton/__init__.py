@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from ...problem import UNBOUNDED, AttentionParams, AttentionProblem
+from ...problem import AttentionParams, AttentionProblem
 from ..autograd import recomputing_attention
 from .configs import MAX_HEAD_DIM, capability_of, interpreting, tile_problems
 from .replay import replayable
@@ -35,13 +35,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # round (and ordered dQ 0.65x cuDNN in one), so d = 128 starts at 1k. Shorter lengths: not measured.
 GLUON_FORWARD_MIN_LEN = {64: 1, 128: 1}
 GLUON_BACKWARD_MIN_LEN = {64: 512, 128: 1024}
-# The Gluon backward with score rules, windows other than full or causal, or packing (`backward_rule_bits`;
-# its 32-row query tiles, `gluon_backward.RULE_CONFIGS`), where it beats the Triton kernels on the H200
-# (bf16, 16k tokens, against those kernels' figures in the masks and varlen tables at 49cdc8f): d = 128 with
-# rules 1.09-1.30x (sinks with a 4k window 0.98x); packed d = 128 causal 1.00-1.44x, but packed full
-# attention 0.89-1.00x and packed d = 64 0.73-0.82x, which keep the Triton kernels.
-GLUON_RULES_BACKWARD_HEAD_DIMS = (128,)
-GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND = True
+# Packed batches, by their longest query sequence: at d = 64 the Triton kernels read 1.22-1.52x the Gluon
+# backward on documents of 64-1024 tokens (longest 976), the Gluon one 1.11-1.18x theirs at 2048 and
+# 0.96-1.11x at 4289 (H200, bf16, 16k tokens, the varlen table's packings).
+GLUON_PACKED_BACKWARD_MIN_LEN = {64: 2048, 128: 1024}
 GLUON_HEAD_DIMS = tuple(GLUON_FORWARD_MIN_LEN)
 GLUON_BACKWARD_HEAD_DIMS = tuple(GLUON_BACKWARD_MIN_LEN)
 GLUON_TRITON = (3, 6)
@@ -112,14 +109,10 @@ def gluon_usable(q: torch.Tensor, min_len: dict[int, int], len_q: int) -> bool:
 
 def gluon_backward_faster(head_dim: int, params: AttentionParams, rules, packing=None) -> bool:
     """Whether the Gluon backward is measured faster than the Triton kernels for these rules and packing
-    (GLUON_RULES_BACKWARD_HEAD_DIMS, GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND); plain problems: always."""
-    from .gluon_backward import backward_rule_bits
+    (`gluon_backward.faster_than_triton`); plain problems: always."""
+    from .gluon_backward import backward_rule_bits, faster_than_triton
 
-    if not backward_rule_bits(params, rules, packing):
-        return True
-    if head_dim not in GLUON_RULES_BACKWARD_HEAD_DIMS:
-        return False
-    return packing is None or not GLUON_PACKED_BACKWARD_NEEDS_RIGHT_BOUND or params.window[1] != UNBOUNDED
+    return faster_than_triton(backward_rule_bits(params, rules, packing), head_dim)
 
 
 def gluon_written_for_this_triton() -> bool:

@@ -6,7 +6,7 @@
 Same contract as `passes.triton_backward` for the subset it serves (that of
 `gluon_forward.gluon_supports`: sm_90, fp16/bf16, D = Dv in {64, 128}, no mask,
 no dropout, any window (bottom-right), every score rule, GQA, any lengths,
-TMA-compatible strides; not packed batches). With P = exp(S - lse) recomputed
+TMA-compatible strides, packed batches). With P = exp(S - lse) recomputed
 from the saved lse (base 2 inside) and delta = rowsum(O * dO):
 
     dV = P^T dO,   dS = P * (dO V^T - delta),   dK = scale dS^T Q,   dQ = scale dS K
@@ -42,7 +42,8 @@ fences one. With `in_registers` (d = 64) K and V (dK/dV) or Q and dO (dQ) are
 read once into registers and the S and dP wgmmas take them from there, which
 halves those wgmmas' shared-memory reads. One Triton kernel (`row_stats_kernel`)
 forms delta and the base-2 lse, padded, before the two passes (and zeroes the
-ordered dQ's semaphores).
+ordered dQ's semaphores); a packed sequence's rows start 16-byte aligned
+(`stats_start`), so the producer loads them by TMA as for a dense batch.
 
 Atomic and ordered dQ (`dq_path`; ordered: from ORDERED_DQ_MIN_LEN, where `ordered_dq_fits`):
 no dQ kernel; the dK/dV kernel's consumers stage their dQ tiles in shared
@@ -81,6 +82,7 @@ from . import schedule
 from .configs import ceil_div, multiprocessor_count, tma_compatible
 from .dq_order import dq_rank, load_early, settle_dq, sweep_start, sweep_tile, wait_turn
 from .gluon_forward import (
+    ALIBI,
     CONSUMER_REGS,
     DESC_BATCH,
     K_START,
@@ -164,10 +166,12 @@ CONFIGS = {64: GluonBackwardConfig(64, 4, 128, 2, in_registers=True), 128: Gluon
 # (ordered, bf16, N = 4k / 16k; 4 dQ slots at d = 64: 0.98-1.01x 2).
 # d = 64, whole dQ tiles by turns against column halves (bf16 / fp16, N = 4k-16k, two rounds): ordered
 # 0.99-1.04x (all but one cell above 1), atomic 0.99-1.03x; at d = 128 the whole [64, 128] float32 tile spills (80-96 B).
-# Score rules, windows other than full or causal and packing (`backward_rule_bits`): the mask and the
-# softcap's derivative need registers that the shipped dK/dV tiles have not (ptxas spilled up to 408 bytes at
-# d = 128, 672 at d = 64); with 32-row query tiles (the ring as many bytes deep) they compile without spills.
-# On the H200 (bf16, d = 128, 16k causal) they read 1.00-1.04x the 64-row tiles that spill.
+# Score rules, windows other than full or causal and packing (`backward_rule_bits`) take CONFIGS' 64-row
+# tiles, though ptxas parks up to 184 bytes of the mask's and the softcap's registers on the stack with
+# them: packing and single rules read 1.01-1.24x the 32-row tiles (H200, bf16, 16k tokens, d = 128, and
+# d = 64 without softcap). Softcap with ALiBi or segment ids (200-576 bytes) reads 0.50-0.85x there,
+# and at d = 64 softcap's dQ kernel parks 544 bytes with its 128-key register tiles (0.60-0.68x): those
+# take RULE_CONFIGS, 32-row query tiles with the ring as many bytes deep, which compile without spills.
 RULE_CONFIGS = {64: GluonBackwardConfig(32, 8, 64, 4), 128: GluonBackwardConfig(32, 8, 64, 4)}
 ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True, alternate_dq=True),
                   128: GluonBackwardConfig(64, 3, 0, 0, dq_slots=1)}
@@ -319,7 +323,7 @@ def key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group
     hk = bhk % heads_k
     if RULES == 0:
         lo, full, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
-        place = (b, 0, 0)
+        place = (b, 0, 0, 0)
     else:
         ctx = work_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
         QUERY_TILES = rules[13] + b * gl.cdiv(len_k, KEY_TILE) * RANGE_FIELDS
@@ -333,12 +337,18 @@ def key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group
 
 @gluon.jit
 def sequence_place(b, ctx, RULES: gl.constexpr):
-    """(descriptor batch coordinate, first query row, first key row) of batch entry b: (b, 0, 0), or for a
-    packed sequence (VARLEN) (0, its offsets) (`work_context`)."""
-    place = (b, 0, 0)
+    """(descriptor batch coordinate, first query row, first key row, first row of `row_stats`) of batch
+    entry b: (b, 0, 0, 0), or for a packed sequence (VARLEN) (0, its offsets, its `stats_start`)."""
+    place = (b, 0, 0, 0)
     if RULES & VARLEN:
-        place = (ctx[DESC_BATCH], ctx[Q_START], ctx[K_START])
+        place = (ctx[DESC_BATCH], ctx[Q_START], ctx[K_START], stats_start(ctx[Q_START], b))
     return place
+
+
+@gluon.jit
+def stats_start(q_start, b):
+    """The first row of packed sequence b (its queries from q_start) in `row_stats`' rows."""
+    return (q_start // STATS_ALIGN + b) * STATS_ALIGN
 
 
 @gluon.jit
@@ -352,7 +362,7 @@ def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     _, hk, n0, lo, _, tiles, start, place = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k,
                                                             group, rules, scale_log2, BLOCK_M, CAUSAL, ROTATE, RULES)
-    b, q_start, k_start = place
+    b, q_start, k_start, stats_row = place
     bh0 = b * heads_q + hk * group
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
@@ -362,28 +372,20 @@ def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
                                         as_box(v_smem.index(half), v_desc))
     for j in range(group * tiles):
         g = j // tiles
-        row = q_start + sweep_tile(j, lo, tiles, start, ROTATE) * BLOCK_M
+        first = sweep_tile(j, lo, tiles, start, ROTATE) * BLOCK_M
+        stats_at = (bh0 + g) * len_q_pad + stats_row + first
         slot = j % STAGES
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
         ready = q_ready.index(slot)
-        if RULES & VARLEN:  # a 1-D box must start 16-byte aligned: the consumers load lse and delta
-            mbarrier.expect(ready, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, hk * group + g, row, 0], ready,
-                                            as_box(q_smem.index(slot), q_desc))
-            ready = do_ready.index(slot)
-            mbarrier.expect(ready, do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [b, hk * group + g, row, 0], ready,
-                                            as_box(do_smem.index(slot), do_desc))
-        else:
-            mbarrier.expect(ready, q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, hk * group + g, row, 0], ready,
-                                            as_box(q_smem.index(slot), q_desc))
-            tma.async_copy_global_to_shared(lse_desc, [(bh0 + g) * len_q_pad + row], ready, lse_smem.index(slot))
-            ready = do_ready.index(slot)
-            mbarrier.expect(ready, do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [b, hk * group + g, row, 0], ready,
-                                            as_box(do_smem.index(slot), do_desc))
-            tma.async_copy_global_to_shared(delta_desc, [(bh0 + g) * len_q_pad + row], ready, delta_smem.index(slot))
+        mbarrier.expect(ready, q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, hk * group + g, q_start + first, 0], ready,
+                                        as_box(q_smem.index(slot), q_desc))
+        tma.async_copy_global_to_shared(lse_desc, [stats_at], ready, lse_smem.index(slot))
+        ready = do_ready.index(slot)
+        mbarrier.expect(ready, do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, hk * group + g, q_start + first, 0], ready,
+                                        as_box(do_smem.index(slot), do_desc))
+        tma.async_copy_global_to_shared(delta_desc, [stats_at], ready, delta_smem.index(slot))
 
 
 @gluon.jit
@@ -553,10 +555,7 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
     q = q_smem.index(slot)
     do = do_smem.index(slot)
     s_tok, dp_tok = issue_s_and_dp(k, q, v, do, q_ready, do_ready, j, STAGES, s_layout)
-    if RULES & VARLEN:
-        lse2, delta = sequence_stats(t, keys, BLOCK_M, col_layout)
-    else:
-        lse2 = lse_smem.index(slot).load(col_layout)
+    lse2 = lse_smem.index(slot).load(col_layout)
     if IN_REGISTERS:
         s, k = warpgroup_mma_wait(1, deps=(s_tok, k))
     else:
@@ -574,8 +573,7 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
         p_op = gl.convert_layout(p.to(q.dtype), op_layout)
         if RULES & SOFTCAP:
             p = p * slope_of_cap
-    if (RULES & VARLEN) == 0:
-        delta = delta_smem.index(slot).load(col_layout)
+    delta = delta_smem.index(slot).load(col_layout)
     if IN_REGISTERS:
         dp, v = warpgroup_mma_wait(0, deps=(dp_tok, v))
     else:
@@ -603,18 +601,6 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
 
 
 @gluon.jit
-def sequence_stats(t, keys, BLOCK_M: gl.constexpr, col_layout: gl.constexpr):
-    """(lse2, delta) of query tile t of a packed sequence, from global memory (`row_stats`; +inf and 0
-    past the sequence). keys: as `key_block_probabilities` takes them, with the stats' row base."""
-    ctx, _, stats_at = keys
-    at, LSE2, DELTA = stats_at
-    rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
-    inside = rows < ctx[LEN_Q]
-    return (gl.load(LSE2 + at + rows, mask=inside, other=float("inf")),
-            gl.load(DELTA + at + rows, mask=inside, other=0.0))
-
-
-@gluon.jit
 def key_block_rules(rules, b, first, len_q, len_k, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                     RULES: gl.constexpr):
     """What `key_block_probabilities` needs of keys [first, first + 64) of batch entry b, besides the
@@ -636,7 +622,7 @@ def key_block_probabilities(s, lse2, t, keys, scale_log2, CAUSAL: gl.constexpr, 
     """P^T (keys by queries, from raw S^T) of query tile t under the rules (`rule_probabilities`), 0 where
     `allowed_pairs` says no unless the whole tile is allowed; and the softcap's derivative. keys: the
     query head's context (`work_context`) and `key_block_rules`."""
-    ctx, key_state, _ = keys
+    ctx, key_state = keys
     positions, key_ids, first, Q_IDS, q_ids_stride, query_full = key_state
     BLOCK_M: gl.constexpr = s.shape[1]
     queries = column_positions(s, t)
@@ -671,7 +657,7 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
                            DK, DV, dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
                            len_q, len_k, group, scale_log2, scale, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
                            IN_REGISTERS: gl.constexpr, dq_parts, ATOMIC_DQ: gl.constexpr, ROTATE: gl.constexpr,
-                           ALTERNATE_DQ: gl.constexpr, rules, len_q_pad, LSE2, DELTA, RULES: gl.constexpr):
+                           ALTERNATE_DQ: gl.constexpr, rules, RULES: gl.constexpr):
     """Consumer warpgroup `half`: keys n0 + 64*half + [0, 64); writes their dK and dV, by TMA
     through its K and V tiles if dk_desc is not None (and with ATOMIC_DQ stages their share of dQ,
     see `dkdv_step`)."""
@@ -692,16 +678,16 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
     mbarrier.wait(kv_bar, 0)
     k = resident_operand(k_smem.index(half), s_layout, IN_REGISTERS)
     v = resident_operand(v_smem.index(half), s_layout, IN_REGISTERS)
+    group_context = 0
+    if RULES != 0 and (RULES & ALIBI) == 0:  # every query head of the group has the same context
+        group_context = work_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
     for j in range(group * tiles):
         t = sweep_tile(j, lo, tiles, start, ROTATE)
         keys = 0
-        if RULES != 0:  # the query head's context: its ALiBi slope
-            head = hk * group + j // tiles
-            ctx = work_context(rules, b, head, len_q, len_k, scale_log2, RULES)
-            stats_at = 0
-            if RULES & VARLEN:  # the sequence's rows of `row_stats`
-                stats_at = (head.to(gl.int64) * len_q_pad + ctx[Q_START], LSE2, DELTA)
-            keys = (ctx, key_state, stats_at)
+        if RULES & ALIBI:  # the query head's context: its slope
+            keys = (work_context(rules, b, hk * group + j // tiles, len_q, len_k, scale_log2, RULES), key_state)
+        elif RULES != 0:
+            keys = (group_context, key_state)
         dk, dv, k, v = dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv,
                                  first - (len_k - len_q), t, j, full, scale_log2, s_layout, op_layout, CAUSAL,
                                  IN_REGISTERS, dq_parts, half, ATOMIC_DQ, ALTERNATE_DQ, keys, RULES)
@@ -734,7 +720,7 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
 @gluon.jit
 def gluon_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides, dk_desc, dv_desc,
-    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM, LSE2, DELTA,
+    heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM,
     scale_log2, scale, left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn,
     SEG_K, seg_k_sb, seg_k_sn, QUERY_TILES, CU_Q, CU_K,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
@@ -753,10 +739,9 @@ def gluon_dkdv_kernel(
     DK, DV: (B, Hk, Nk, D) in k's dtype, or float32 (any strides) with ACCUMULATE; strides (batch,
     head, row, col). Or (not with ACCUMULATE) these None and dk_desc, dv_desc descriptors over
     dK and dV with k_desc's boxes. lse_desc, delta_desc (`stats_descriptor`): contiguous
-    (B * Hq, len_q_pad) float32 (len_q_pad: Nq rounded up to BLOCK_M, so a 1-D box never exceeds the
-    tensor, B * Hq * len_q_pad < 2**31): lse * log2(e) with +inf where lse = -inf and in the padding;
-    rowsum(O * dO), 0 in the padding; LSE2, DELTA: the same tensors, which packed sequences (VARLEN)
-    read directly (their rows start anywhere, a 1-D TMA box only 16-byte aligned).
+    (B * Hq, len_q_pad) float32 (`stats_rows`: a 1-D box never exceeds the tensor, B * Hq * len_q_pad
+    < 2**31): lse * log2(e) with +inf where lse = -inf and in the padding; rowsum(O * dO), 0 in the
+    padding; packed sequences (VARLEN) from their `stats_start`.
 
     RULES (`rule_bits`; not with dq_desc): the score rules, windows and packing of `gluon_forward_kernel`,
     whose arguments these are, except the segment-id table: QUERY_TILES (B, Nk / 128, 4), each key
@@ -814,11 +799,11 @@ def gluon_dkdv_kernel(
         (dkdv_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
                                   len_q, len_k, group, scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts,
-                                  ATOMIC_DQ, ROTATE, ALTERNATE_DQ, rules, len_q_pad, LSE2, DELTA, RULES)),
+                                  ATOMIC_DQ, ROTATE, ALTERNATE_DQ, rules, RULES)),
         (dkdv_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, DK, DV,
                                   dk_strides, dv_strides, dk_desc, dv_desc, heads_q, num_col_tiles, heads_per_group,
                                   len_q, len_k, group, scale_log2, scale, CAUSAL, ACCUMULATE, IN_REGISTERS, dq_parts,
-                                  ATOMIC_DQ, ROTATE, ALTERNATE_DQ, rules, len_q_pad, LSE2, DELTA, RULES)),
+                                  ATOMIC_DQ, ROTATE, ALTERNATE_DQ, rules, RULES)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, bars, heads_q, num_col_tiles, heads_per_group, len_q,
                                len_q_pad, len_k, group, rules, scale_log2, CAUSAL, ROTATE, RULES)),
@@ -905,7 +890,7 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     b, heads, _, m0, ctx, place = dq_work(rules, num_row_tiles, heads_q, 1, heads_per_group, len_q, len_k,
                                           scale_log2, CAUSAL, RULES)
-    coord_b, q_start, _ = place
+    coord_b, q_start, _, stats_row = place
     rows_q = len_q
     if RULES & VARLEN:
         rows_q = ctx[LEN_Q]
@@ -916,8 +901,9 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
                                     as_box(do_smem.index(half), do_desc))
     rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     inside = (rows >= 0) & (rows < rows_q)
-    lse2 = gl.load(LSE2 + (bh.to(gl.int64) * len_q_pad + q_start + rows), mask=inside, other=float("inf"))
-    delta = gl.load(DELTA + (bh.to(gl.int64) * len_q_pad + q_start + rows), mask=inside, other=0.0)
+    stats_at = bh.to(gl.int64) * len_q_pad + stats_row + rows
+    lse2 = gl.load(LSE2 + stats_at, mask=inside, other=float("inf"))
+    delta = gl.load(DELTA + stats_at, mask=inside, other=0.0)
     lo = 0
     row_rules = 0
     if RULES == 0:
@@ -957,7 +943,7 @@ def dq_work(rules, num_row_tiles, heads_q, group, heads_per_group, len_q, len_k,
         b, h, hk, m0 = tile_of(gl.program_id(0), num_row_tiles, heads_q, group, heads_per_group, len_q, 2 * ROWS,
                                CAUSAL)
         ctx = 0
-        place = (b, 0, 0)
+        place = (b, 0, 0, 0)
     else:
         b, h, hk, tile_m = work_tile(gl.program_id(0), num_row_tiles, heads_q, group, heads_per_group, CAUSAL)
         ctx = work_context(rules, b, h, len_q, len_k, scale_log2, RULES)
@@ -972,7 +958,7 @@ def dq_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, plac
     """Producer warp of one row block: Q rows m0 + [0, 128) of (b, h) once, then K/V tiles first_tile + j,
     j < num_tiles, of (b, hk) through the ring (place: `sequence_place`)."""
     q_bar, k_ready, k_empty, v_ready, v_empty, sched = bars
-    b, q_start, k_start = place
+    b, q_start, k_start, _ = place
     load_q(q_desc, q_smem, 0, q_bar, b, h, m0, q_smem.shape[0], q_start)
     load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, 0, num_tiles, first_tile,
                  k_start)
@@ -1065,14 +1051,10 @@ def gluon_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     if packing is not None:
         q, dout = (None if x is None else packed_view(x) for x in (q, dout))
     reasons += broadcast_reasons(dout=dout)
-    rows = q.shape[0] * q.shape[1] * padded_rows(q.shape[2], CONFIGS.get(q.shape[-1], CONFIGS[128]))
+    rows = q.shape[0] * q.shape[1] * stats_rows(q.shape[2], packing)
     if rows > MAX_STATS:
         reasons.append(f"B * Hq * Nq = {rows} (padded) exceeds {MAX_STATS}")
     return reasons
-
-
-def padded_rows(len_q: int, cfg: GluonBackwardConfig) -> int:
-    return ceil_div(len_q, cfg.dkdv_block_m) * cfg.dkdv_block_m
 
 
 def gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into=None, atomic_dq=False,
@@ -1124,49 +1106,76 @@ def backward_rule_arguments(q: torch.Tensor, k: torch.Tensor, params: AttentionP
 
 
 @triton.jit
-def row_stats_kernel(O, DO, LSE, LSE2, DELTA, SEM, o_strides, do_strides, lse_strides, heads_q, len_q, len_q_pad,
-                     num_row_tiles, D: tl.constexpr, BLOCK: tl.constexpr):
+def row_stats_kernel(O, DO, LSE, LSE2, DELTA, SEM, CU_Q, o_strides, do_strides, lse_strides, heads_q, len_q, len_q_pad,
+                     num_row_tiles, num_seqs, D: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (num_row_tiles * B * Hq,): BLOCK rows of one (b, h) into LSE2, DELTA (B * Hq, len_q_pad);
-    SEM (None or int32 (B * Hq, num_row_tiles)): the tile's semaphore set to 0."""
+    SEM (None or int32 (B * Hq, num_row_tiles)): the tile's semaphore set to 0. CU_Q (None, or the
+    int32 offsets of num_seqs packed sequences): O, DO, LSE are the (1, Hq, total, ...) views, b the
+    sequence, whose rows go to its `stats_start` and, past its end, +inf and 0 up to the next sequence's."""
     bh = tl.program_id(0) // num_row_tiles
-    b = (bh // heads_q).to(tl.int64)
+    b = bh // heads_q
     h = (bh % heads_q).to(tl.int64)
     rows = (tl.program_id(0) % num_row_tiles) * BLOCK + tl.arange(0, BLOCK)
+    first = 0
+    out_row = bh.to(tl.int64) * len_q_pad
+    extent = len_q_pad
+    in_batch = b.to(tl.int64)
+    if CU_Q is not None:
+        first = tl.load(CU_Q + b)
+        len_q = tl.load(CU_Q + b + 1) - first
+        start = (first // STATS_ALIGN + b) * STATS_ALIGN
+        out_row = h * len_q_pad + start
+        extent = tl.where(b == num_seqs - 1, len_q_pad, (tl.load(CU_Q + b + 1) // STATS_ALIGN + b + 1) * STATS_ALIGN)
+        extent -= start
+        in_batch = in_batch * 0
     inside = rows < len_q
     cols = tl.arange(0, D)
-    r64 = rows.to(tl.int64)[:, None]
-    o = tl.load(O + b * o_strides[0] + h * o_strides[1] + r64 * o_strides[2] + cols[None, :] * o_strides[3],
+    r64 = (first + rows).to(tl.int64)[:, None]
+    o = tl.load(O + in_batch * o_strides[0] + h * o_strides[1] + r64 * o_strides[2] + cols[None, :] * o_strides[3],
                 mask=inside[:, None], other=0.0)
-    do = tl.load(DO + b * do_strides[0] + h * do_strides[1] + r64 * do_strides[2] + cols[None, :],
+    do = tl.load(DO + in_batch * do_strides[0] + h * do_strides[1] + r64 * do_strides[2] + cols[None, :],
                  mask=inside[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse = tl.load(LSE + b * lse_strides[0] + h * lse_strides[1] + rows.to(tl.int64) * lse_strides[2],
+    lse = tl.load(LSE + in_batch * lse_strides[0] + h * lse_strides[1] + (first + rows).to(tl.int64) * lse_strides[2],
                   mask=inside, other=float("-inf")).to(tl.float32)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    out = bh.to(tl.int64) * len_q_pad + rows
-    tl.store(LSE2 + out, lse2, mask=rows < len_q_pad)
-    tl.store(DELTA + out, delta, mask=rows < len_q_pad)
+    tl.store(LSE2 + out_row + rows, lse2, mask=rows < extent)
+    tl.store(DELTA + out_row + rows, delta, mask=rows < extent)
     if SEM is not None:
         tl.store(SEM + tl.program_id(0), 0)
 
 
 STATS_ROWS = 64  # rows per program of `row_stats_kernel`
+# Packed sequences: each one's rows of `row_stats` start at a multiple of STATS_ALIGN (a 1-D TMA box
+# starts 16-byte aligned), sequence b at (cu_seqlens_q[b] // STATS_ALIGN + b) * STATS_ALIGN (`stats_start`).
+STATS_ALIGN: tl.constexpr = tl.constexpr(4)
+
+
+def stats_rows(len_q: int, packing=None) -> int:
+    """len_q_pad of `row_stats`: rows per head, len_q (dense) or the packed total rounded up to
+    STATS_ROWS, with room for every packed sequence's aligned start and its last tile."""
+    if packing is not None:
+        len_q += STATS_ALIGN.value * packing.batch + STATS_ROWS
+    return ceil_div(len_q, STATS_ROWS) * STATS_ROWS
 
 
 def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pad: int,
-              semaphores: torch.Tensor | None = None):
+              semaphores: torch.Tensor | None = None, packing=None):
     """(lse2, delta), each (B * Hq, len_q_pad) float32: lse * log2(e) with +inf where lse = -inf
     (no key) and in the padding; delta = rowsum(out * dout) with 0 in the padding. One launch, which
-    also zeroes `semaphores` (int32 (B * Hq, len_q_pad / STATS_ROWS), contiguous) if given."""
+    also zeroes `semaphores` (int32 (B * Hq, len_q_pad / STATS_ROWS), contiguous) if given. packing:
+    lse (1, Hq, total_q) and out, dout their views; each sequence's rows from its `stats_start`."""
     batch, heads_q, len_q = lse.shape
     stats = torch.empty(2, batch * heads_q, len_q_pad, dtype=torch.float32, device=lse.device)  # one allocation
     lse2, delta = stats[0], stats[1]
     block = STATS_ROWS
-    row_tiles = ceil_div(len_q_pad, block)
+    row_tiles, seqs, cu_q = ceil_div(len_q_pad, block), batch, None
+    if packing is not None:
+        row_tiles, seqs, cu_q = ceil_div(packing.max_q, block), packing.batch, packing.cu_q
     assert semaphores is None or semaphores.shape == (batch * heads_q, row_tiles) and semaphores.is_contiguous()
-    run_kernel(row_stats_kernel, grid_of(row_tiles, batch * heads_q),
-        out, dout, lse, lse2, delta, semaphores, out.stride(), dout.stride(), lse.stride(), heads_q, len_q, len_q_pad,
-        row_tiles, D=out.shape[-1], BLOCK=block, num_warps=4,
+    run_kernel(row_stats_kernel, grid_of(row_tiles, seqs * heads_q),
+        out, dout, lse, lse2, delta, semaphores, cu_q, out.stride(), dout.stride(), lse.stride(), heads_q, len_q,
+        len_q_pad, row_tiles, seqs, D=out.shape[-1], BLOCK=block, num_warps=4,
     )
     return lse2, delta
 
@@ -1201,8 +1210,7 @@ def dkdv_arguments(dout, q, k, v, lse2, delta, dk, dv, len_q_pad: int, cfg: Gluo
     args = (tile_descriptor(q, cfg.dkdv_block_m), tile_descriptor(dout, cfg.dkdv_block_m),
             tile_descriptor(k, ROWS.value), tile_descriptor(v, ROWS.value),
             stats_descriptor(lse2, cfg.dkdv_block_m), stats_descriptor(delta, cfg.dkdv_block_m),
-            *grads, heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles, order, dq_desc, semaphores, lse2,
-            delta)
+            *grads, heads_q, heads_q // heads_k, len_q, len_q_pad, len_k, col_tiles, order, dq_desc, semaphores)
     return args, grid_of(col_tiles, batch * heads_k)
 
 
@@ -1301,6 +1309,25 @@ def dq_accumulators(path: str, q: torch.Tensor, k: torch.Tensor, dq: torch.Tenso
     return (dq if in_place else torch.zeros(q.shape, dtype=torch.float32, device=q.device)), None
 
 
+def tile_config(bits: int, dq_in_dkdv: bool, dim: int) -> GluonBackwardConfig:
+    """The tiles for `backward_rule_bits` bits: RULE_CONFIGS for softcap at d = 64 or with ALiBi or segment
+    ids, else ATOMIC_CONFIGS for dQ added by the dK/dV kernel, else CONFIGS."""
+    if bits & SOFTCAP.value and (dim == 64 or bits & (ALIBI.value | SEGMENTS.value)):
+        return RULE_CONFIGS[dim]
+    return (ATOMIC_CONFIGS if dq_in_dkdv else CONFIGS)[dim]
+
+
+# Rules with which the Triton backward beats this one at d = 64 unless softcap is on (H200, bf16, 16k
+# tokens, causal): segment ids 1.10x, ALiBi 1.03x. Elsewhere this one reads 1.09-1.45x the Triton kernels
+# at d = 64 (packing alone 0.96-1.16x), packing alone 1.22-1.97x at d = 128 (`gluon_backward_faster`).
+TRITON_FASTER_AT_D64 = SEGMENTS.value | ALIBI.value
+
+
+def faster_than_triton(bits: int, dim: int) -> bool:
+    """Whether this backward is measured faster than the Triton kernels for `backward_rule_bits` bits."""
+    return dim != 64 or not bits & TRITON_FASTER_AT_D64 or bool(bits & SOFTCAP.value)
+
+
 def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, atomic_dq: bool, rules=None,
            packing=None, grads=None):
     """The passes over (B, H, N, D) tensors, or with `packing` the (1, H, total, D) views of packed ones
@@ -1319,13 +1346,13 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     bits = backward_rule_bits(params, rules, packing)
     path = "kernel" if bits else dq_path(q, k, causal, atomic_dq, accumulate_into is not None)
     dq_in_dkdv = path != "kernel"
-    cfg = (RULE_CONFIGS if bits else ATOMIC_CONFIGS if dq_in_dkdv else CONFIGS)[dim]
-    len_q_pad = padded_rows(len_q, cfg)
+    cfg = tile_config(bits, dq_in_dkdv, dim)
+    len_q_pad = stats_rows(len_q, packing)
     # semaphores: one per program of row_stats, which zeroes them; the dK/dV kernel uses the first
     # B * Hq * cdiv(Nq, BLOCK_M), one per dQ tile
     dq_sum, semaphores = dq_accumulators(path, q, k, dq, causal, accumulate_into is not None,
                                          len_q_pad // STATS_ROWS)
-    lse2, delta = row_stats(lse, out, dout, len_q_pad, semaphores)
+    lse2, delta = row_stats(lse, out, dout, len_q_pad, semaphores, packing)
     scalars = (params.scale * LOG2E, params.scale)
     dkdv_rules, dq_rules = backward_rule_arguments(q, k, params, rules, cfg, packing)
     options = kernel_options(cfg, causal, accumulate_into is not None, bits)

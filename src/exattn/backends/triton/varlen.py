@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 
 from ...problem import AttentionParams
-from . import GLUON_BACKWARD_MIN_LEN, GLUON_FORWARD_MIN_LEN, gluon_backward_faster, gluon_usable, replay_key, replays
+from . import (
+    GLUON_FORWARD_MIN_LEN,
+    GLUON_PACKED_BACKWARD_MIN_LEN,
+    gluon_backward_faster,
+    gluon_usable,
+    replay_key,
+    replays,
+)
 from .passes import Packing, triton_backward, triton_forward
 from .replay import replayable
 
@@ -35,7 +42,7 @@ def triton_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, ou
     what it can (`gluon_backward.gluon_backward_supports`) where it is measured faster
     (`gluon_backward_faster`)."""
     packing = Packing(cu_q, cu_k, max_q, max_k)
-    if gluon_usable(q, GLUON_BACKWARD_MIN_LEN, max_q) and gluon_backward_faster(q.shape[-1], params, rules, packing):
+    if gluon_usable(q, GLUON_PACKED_BACKWARD_MIN_LEN, max_q) and gluon_backward_faster(q.shape[-1], params, rules, packing):
         from . import gluon_backward as gb
 
         if not gb.gluon_backward_supports(q, k, v, None, params, dout, False, rules, packing):
