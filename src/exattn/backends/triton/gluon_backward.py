@@ -167,7 +167,7 @@ CONFIGS = {64: GluonBackwardConfig(64, 4, 128, 2, in_registers=True), 128: Gluon
 # d = 64, whole dQ tiles by turns against column halves (bf16 / fp16, N = 4k-16k, two rounds): ordered
 # 0.99-1.04x (all but one cell above 1), atomic 0.99-1.03x; at d = 128 the whole [64, 128] float32 tile spills (80-96 B).
 # Score rules, windows other than full or causal and packing (`backward_rule_bits`) take CONFIGS' 64-row
-# tiles, though ptxas parks up to 184 bytes of the mask's and the softcap's registers on the stack with
+# tiles, though ptxas parks up to 216 bytes of the mask's and the softcap's registers on the stack with
 # them: packing and single rules read 1.01-1.24x the 32-row tiles (H200, bf16, 16k tokens, d = 128, and
 # d = 64 without softcap). Softcap with ALiBi or segment ids (200-576 bytes) reads 0.50-0.85x there,
 # and at d = 64 softcap's dQ kernel parks 544 bytes with its 128-key register tiles (0.60-0.68x): those
