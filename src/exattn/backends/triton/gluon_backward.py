@@ -1111,7 +1111,8 @@ def row_stats_kernel(O, DO, LSE, LSE2, DELTA, SEM, CU_Q, o_strides, do_strides, 
     """Grid (num_row_tiles * B * Hq,): BLOCK rows of one (b, h) into LSE2, DELTA (B * Hq, len_q_pad);
     SEM (None or int32 (B * Hq, num_row_tiles)): the tile's semaphore set to 0. CU_Q (None, or the
     int32 offsets of num_seqs packed sequences): O, DO, LSE are the (1, Hq, total, ...) views, b the
-    sequence, whose rows go to its `stats_start` and, past its end, +inf and 0 up to the next sequence's."""
+    sequence, whose rows go to its `stats_start` (the formula of the Gluon `stats_start`) and, past its
+    end, +inf and 0 through its last BLOCK-row tile or up to the next sequence's first row."""
     bh = tl.program_id(0) // num_row_tiles
     b = bh // heads_q
     h = (bh % heads_q).to(tl.int64)
