@@ -39,3 +39,13 @@ def undo_interpreter_patches():
         for name, value in pristine.items():
             if vars(space).get(name) is not value:
                 setattr(space, name, value)
+
+
+@pytest.fixture(autouse=True)
+def forget_checked_calls():
+    """A call signature's kept checks and backend choice (`exattn.checked_calls`) last a process; a test
+    that patches the dispatch must not meet a choice an earlier test in its worker made."""
+    from exattn import checked_calls
+
+    yield
+    checked_calls.KNOWN.clear()

@@ -18,13 +18,6 @@ decode_module = importlib.import_module("exattn.decode")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def fresh_signatures():
-    checked_calls.KNOWN.clear()
-    yield
-    checked_calls.KNOWN.clear()
-
-
 def counted(monkeypatch, module, name: str) -> list:
     calls = []
     real = getattr(module, name)

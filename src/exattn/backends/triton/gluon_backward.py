@@ -628,7 +628,8 @@ def key_block_probabilities(s, lse2, t, keys, scale_log2, CAUSAL: gl.constexpr, 
     queries = column_positions(s, t)
     q_pos = gl.expand_dims(queries, 0)
     k_pos = gl.expand_dims(positions, 1)
-    p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 0), q_pos, k_pos, ctx, scale_log2, RULES)
+    p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 0), q_pos.to(gl.float32), k_pos.to(gl.float32),
+                                         ctx, scale_log2, RULES)
     one_segment = (t >= query_full[0]) & (t < query_full[1])
     if all_allowed(t * BLOCK_M, first, BLOCK_M, ROWS, ctx, one_segment, CAUSAL, RULES) == 0:
         q_ids = queries
@@ -863,7 +864,8 @@ def row_block_probabilities(s, lse2, rows, tile, row_rules, scale_log2, CAUSAL: 
     keys = column_positions(s, tile)
     q_pos = gl.expand_dims(rows, 1)
     k_pos = gl.expand_dims(keys, 0)
-    p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 1), q_pos, k_pos, ctx, scale_log2, RULES)
+    p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 1), q_pos.to(gl.float32), k_pos.to(gl.float32),
+                                         ctx, scale_log2, RULES)
     key_tile = tile * BLOCK_N // KEY_TILE  # the KEY_TILE keys around the tile
     one_segment = (key_tile >= segment_full[0]) & (key_tile < segment_full[1])
     if all_allowed(first, tile * BLOCK_N, ROWS, BLOCK_N, ctx, one_segment, CAUSAL, RULES) == 0:

@@ -450,9 +450,14 @@ def column_positions(s, tile):
 
 
 @gluon.jit
-def modified_scores(s, rows, tile, ctx, RULES: gl.constexpr):
-    """Raw scores s of key tile `tile` after the softcap, then ALiBi (`rule_scores`)."""
-    s, _ = rule_scores(s, gl.expand_dims(rows, 1), gl.expand_dims(column_positions(s, tile), 0), ctx, RULES)
+def modified_scores(s, rows, tile, ctx, p_layout: gl.constexpr, RULES: gl.constexpr):
+    """Raw scores s of key tile `tile` after the softcap, then ALiBi (`rule_scores`). At d = 64 (P's
+    wgmma is 64 wide) ALiBi's key positions convert to float once per column, at d = 128 once per score:
+    each is the faster there."""
+    keys = column_positions(s, tile)
+    if p_layout.parent.instr_shape[1] == 64:
+        rows, keys = rows.to(gl.float32), keys.to(gl.float32)
+    s, _ = rule_scores(s, gl.expand_dims(rows, 1), gl.expand_dims(keys, 0), ctx, RULES)
     return s
 
 
@@ -460,7 +465,9 @@ def modified_scores(s, rows, tile, ctx, RULES: gl.constexpr):
 def rule_scores(s, q_pos, k_pos, ctx, RULES: gl.constexpr):
     """Raw scores s of queries q_pos and keys k_pos (each broadcast against s, in either orientation) after
     the softcap, then ALiBi (the SPEC's order), in raw units: softcap / scale and slope / scale
-    (`work_context`); and the softcap's derivative 1 - tanh^2 (1.0 without one)."""
+    (`work_context`); and the softcap's derivative 1 - tanh^2 (1.0 without one). Positions given as
+    float32 take ALiBi's distance in float32 (a conversion before they broadcast rather than one per score;
+    conversions share the SFU's throughput)."""
     slope_of_cap = 1.0
     if RULES & SOFTCAP:
         capped = fast_tanh(s * ctx[INV_CAP])
@@ -529,7 +536,7 @@ def softmax_tile(s, m_i, l_i, rows, tile, ctx, row_ids, bounds, scale_log2, dtyp
     """Fold raw scores s of key tile `tile` into (m_i, l_i); returns P (dot operand), new m, l, alpha.
     MASK: UNMASKED, MASKED, or MASKED_FROM_FULL (masked where `needs_mask` says, bounds =
     (full_lo, full_hi, `segment_full_tiles`))."""
-    s = modified_scores(s, rows, tile, ctx, RULES)
+    s = modified_scores(s, rows, tile, ctx, p_layout, RULES)
     if MASK == MASKED:
         s = masked_scores(s, rows, tile, ctx, row_ids, CAUSAL, RULES)
     if MASK == MASKED_FROM_FULL:
