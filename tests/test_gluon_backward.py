@@ -217,6 +217,32 @@ def test_rule_variants_compile_for_sm90(kind, dim, causal, rules, tmp_path):
     assert ("tanh.approx.f32" in ptx) == bool(BACKWARD_RULE_SETS[rules] & gf.SOFTCAP.value)
 
 
+@pytest.mark.parametrize("dim", [128, 64])
+def test_dkdv_kernel_adds_dq_under_full_attention_alibi(dim, tmp_path):
+    """ALiBi alone under full attention keeps the plain sweeps and tiles, so the dK/dV kernel forms dQ in
+    order as without rules (`dq_in_dkdv_serves`), parking at most the 216 bytes of
+    `test_rule_variants_compile_for_sm90`."""
+    bits = gf.ALIBI.value
+    cfg = gb.tile_config(bits, True, dim)
+    assert cfg is gb.ATOMIC_CONFIGS[dim]
+    args, consts = launch_arguments("dkdv", dim, torch.bfloat16, False, cfg, "ordered", rule_tables=rule_tables())
+    kernel = compile_gluon_for_sm90(KERNELS["dkdv"], args, {**consts, "RULES": bits, "ROTATE": True, "CAUSAL": False})
+    usage = resource_usage(kernel, tmp_path)
+    assert usage["LOCAL"] == 0 and usage["STACK"] <= 216, f"register spills: {usage}"
+    assert "cp.reduce.async.bulk" in kernel.asm["ptx"]
+
+
+def test_dkdv_kernel_adds_dq_where_measured_faster():
+    """Without rules and with ALiBi alone under full attention; causal ALiBi, softcap, and any rule that
+    narrows a key block's query tiles (window bounds, prefix, segment ids, packing) keep the dQ kernel."""
+    cap, alibi = gf.SOFTCAP.value, gf.ALIBI.value
+    assert gb.dq_in_dkdv_serves(0, True) and gb.dq_in_dkdv_serves(alibi, False)
+    assert not gb.dq_in_dkdv_serves(alibi, True) and not gb.dq_in_dkdv_serves(cap, True)
+    for bits in (gf.LEFT.value | alibi, gf.RIGHT.value | alibi, gf.PREFIX.value, gf.SEGMENTS.value | alibi,
+                 gf.VARLEN.value, cap | alibi, cap):
+        assert not gb.dq_in_dkdv_serves(bits, False)
+
+
 def sass_lines(kernel, tmp_path) -> list[str]:
     """The kernel's SASS (the wheel's nvdisasm), one instruction or label per line, comments dropped."""
     cubin = tmp_path / "kernel.cubin"
