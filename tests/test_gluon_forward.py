@@ -385,3 +385,23 @@ def test_supports_packed_batches_and_refuses_sinks_without_keys(monkeypatch):
     no_keys = torch.empty(1, 2, 0, 64, dtype=torch.bfloat16)
     reasons = gf.gluon_supports(dense, no_keys, no_keys, None, params, ScoreRules(sinks=torch.zeros(2)))
     assert any("sinks" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("dim,refused", [(64, True), (128, False)])
+def test_alibi_positions_beyond_float32_go_elsewhere_at_d64(dim, refused, monkeypatch):
+    """At d = 64 ALiBi's positions are float32 in the kernel (`modified_scores`): past FLOAT_POSITIONS rows
+    or keys it refuses, by name; at the limit, and at d = 128 (an integer distance), it serves."""
+    from exattn.problem import ScoreRules
+
+    monkeypatch.setattr(gf, "gluon_device_reasons", lambda device: [])
+    params = AttentionParams(scale=0.125, window=(-1, 0))
+    alibi = ScoreRules(alibi_slopes=torch.ones(1, 2))
+    q = torch.empty(1, 2, 16, dim, dtype=torch.bfloat16)
+    at_limit, beyond = (torch.empty(1, 2, 1, dim, dtype=torch.bfloat16).expand(1, 2, n, dim)  # shapes only
+                        for n in (gf.FLOAT_POSITIONS, gf.FLOAT_POSITIONS + 1))
+    reasons = [r for r in gf.gluon_supports(q, beyond, beyond, None, params, alibi) if "ALiBi" in r]
+    assert bool(reasons) == refused
+    if refused:
+        assert f"got {gf.FLOAT_POSITIONS + 1}" in reasons[0]
+    assert not [r for r in gf.gluon_supports(q, at_limit, at_limit, None, params, alibi) if "ALiBi" in r]
+    assert not [r for r in gf.gluon_supports(q, beyond, beyond, None, params) if "ALiBi" in r]

@@ -2,8 +2,9 @@
 
 The first call of a new shape family compiles exattn's Triton kernels, which takes seconds.
 Triton specializes a kernel on its integer arguments (divisible by 16? equal to 1? for head
-counts, lengths and strides) and on constexprs picked from the length, so a warmup reaches
-the cache only with the model's own head counts, head dim, dtype and sequence lengths.
+counts, lengths and strides; not for tile counts, `configs.COUNTS`) and on constexprs picked
+from the length, so a warmup reaches the cache only with the model's own head counts, head dim,
+dtype and sequence lengths.
 Compiled kernels land in TRITON_CACHE_DIR (default ~/.triton/cache), where every later
 process finds them.
 """

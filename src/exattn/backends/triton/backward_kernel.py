@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .configs import COUNTS
 from .tile_io import (
     head_slice, head_tile_pointers, load_head_tile, load_source_tile, load_tile, slice_offset, store_tile,
     tile_pointers, tile_source, tile_walk,
@@ -33,7 +34,7 @@ from .tiles import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=COUNTS)
 def attention_delta_kernel(
     O, DO, DELTA, CU_Q, o_strides, do_strides, heads_q, len_q, num_row_tiles, stats_head_stride,
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr,
@@ -186,7 +187,7 @@ def dkdv_head(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", *COUNTS])
 def attention_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DVAL, DQ_ACC, MASK, CU_Q, CU_K, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES,
     Q_DESC, DO_DESC, q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, mask_strides,
@@ -310,7 +311,7 @@ def dq_segment(
     return dq
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", *COUNTS])
 def attention_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES, K_DESC, V_DESC,
     q_strides, k_strides, v_strides, do_strides, dq_strides, mask_strides, alibi_strides, seg_q_strides, seg_k_strides,

@@ -21,6 +21,10 @@ MAX_HEAD_DIM = 256
 # Hopper's per-block shared memory (227 KiB), less room for the compiler's own buffers.
 SHARED_MEMORY_BYTES = 232448 - 16384
 TMA_ALIGN_BYTES = 16
+# Integer kernel arguments that count tiles or heads. Triton specializes an integer argument on whether it
+# is divisible by 16 or equal to 1, which for these changes no code but would compile again for each new
+# value: 1k and 2k tokens are 8 and 16 tiles of 128 rows. Not specialized, lengths share compiled kernels.
+COUNTS = ("num_row_tiles", "num_col_tiles", "heads_per_group")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .configs import COUNTS
 from .tile_io import (
     head_slice, load_source_tile, load_tile, slice_offset, store_tile, tile_pointers, tile_source, tile_walk,
 )
@@ -78,7 +79,7 @@ def forward_segment(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", *COUNTS])
 def attention_forward_kernel(
     Q, K, V, O, LSE, MASK, CU_Q, CU_K, SINKS, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES, Q_DESC, K_DESC, V_DESC,
     q_strides, k_strides, v_strides, o_strides,

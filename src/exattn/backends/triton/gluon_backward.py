@@ -79,7 +79,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams, check_accumulators
 from . import schedule
-from .configs import ceil_div, multiprocessor_count, tma_compatible
+from .configs import COUNTS, ceil_div, multiprocessor_count, tma_compatible
 from .dq_order import dq_rank, load_early, settle_dq, sweep_start, sweep_tile, wait_turn
 from .gluon_forward import (
     ALIBI,
@@ -298,7 +298,7 @@ def all_allowed(r0, k0, NR: gl.constexpr, NK: gl.constexpr, ctx, one_segment, CA
 def rule_probabilities(s, lse2, q_pos, k_pos, ctx, scale_log2, RULES: gl.constexpr):
     """P = exp2(S' * scale_log2 - lse2) from raw scores s after the rules (`rule_scores`; lse2 broadcast
     against s), and the softcap's derivative."""
-    s, slope_of_cap = rule_scores(s, q_pos, k_pos, ctx, RULES)
+    s, slope_of_cap = rule_scores(s, q_pos + (ctx[LEN_K] - ctx[LEN_Q]), k_pos, ctx, RULES)
     return gl.exp2(s * scale_log2 - lse2), slope_of_cap
 
 
@@ -628,8 +628,7 @@ def key_block_probabilities(s, lse2, t, keys, scale_log2, CAUSAL: gl.constexpr, 
     queries = column_positions(s, t)
     q_pos = gl.expand_dims(queries, 0)
     k_pos = gl.expand_dims(positions, 1)
-    p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 0), q_pos.to(gl.float32), k_pos.to(gl.float32),
-                                         ctx, scale_log2, RULES)
+    p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 0), q_pos, k_pos, ctx, scale_log2, RULES)
     one_segment = (t >= query_full[0]) & (t < query_full[1])
     if all_allowed(t * BLOCK_M, first, BLOCK_M, ROWS, ctx, one_segment, CAUSAL, RULES) == 0:
         q_ids = queries
@@ -718,7 +717,7 @@ def dkdv_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, 
         tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=COUNTS)
 def gluon_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, dk_strides, dv_strides, dk_desc, dv_desc,
     heads_q, group, len_q, len_q_pad, len_k, num_col_tiles, heads_per_group, dq_desc, SEM,
@@ -864,8 +863,7 @@ def row_block_probabilities(s, lse2, rows, tile, row_rules, scale_log2, CAUSAL: 
     keys = column_positions(s, tile)
     q_pos = gl.expand_dims(rows, 1)
     k_pos = gl.expand_dims(keys, 0)
-    p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 1), q_pos.to(gl.float32), k_pos.to(gl.float32),
-                                         ctx, scale_log2, RULES)
+    p, slope_of_cap = rule_probabilities(s, gl.expand_dims(lse2, 1), q_pos, k_pos, ctx, scale_log2, RULES)
     key_tile = tile * BLOCK_N // KEY_TILE  # the KEY_TILE keys around the tile
     one_segment = (key_tile >= segment_full[0]) & (key_tile < segment_full[1])
     if all_allowed(first, tile * BLOCK_N, ROWS, BLOCK_N, ctx, one_segment, CAUSAL, RULES) == 0:
@@ -966,7 +964,7 @@ def dq_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, plac
                  k_start)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=COUNTS)
 def gluon_dq_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, dq_strides,
     heads_q, group, len_q, len_q_pad, len_k, num_row_tiles, heads_per_group, scale_log2, scale,
@@ -1107,7 +1105,7 @@ def backward_rule_arguments(q: torch.Tensor, k: torch.Tensor, params: AttentionP
     return dq_rules[:13] + (query_tiles,) + dq_rules[14:], dq_rules
 
 
-@triton.jit
+@triton.jit(do_not_specialize=COUNTS)
 def row_stats_kernel(O, DO, LSE, LSE2, DELTA, SEM, CU_Q, o_strides, do_strides, lse_strides, heads_q, len_q, len_q_pad,
                      num_row_tiles, num_seqs, D: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (num_row_tiles * B * Hq,): BLOCK rows of one (b, h) into LSE2, DELTA (B * Hq, len_q_pad);

@@ -55,7 +55,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...problem import UNBOUNDED, AttentionParams, ScoreRules
 from . import schedule
-from .configs import ceil_div, gluon_device_reasons, multiprocessor_count, tma_compatible
+from .configs import COUNTS, ceil_div, gluon_device_reasons, multiprocessor_count, tma_compatible
 from .passes import on_device, scalar_args
 from .segment_tables import RANGE_FIELDS, segment_tile_ranges
 from .replay import run_kernel
@@ -107,6 +107,7 @@ CONFIGS = {64: GluonConfig(128, 2, consumers=3, one_key_loop=True), 128: GluonCo
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 KEY_TILE: gl.constexpr = gl.constexpr(128)  # keys per tile, every configuration's block_n
+FLOAT_POSITIONS = 1 << 24  # positions float32 holds exactly: ALiBi at d = 64 converts them (`modified_scores`)
 # Bits of the kernel's RULES: score rules and packing (`rule_bits`). A right bound of the window is CAUSAL.
 LEFT: gl.constexpr = gl.constexpr(1)  # the window's left bound
 SOFTCAP: gl.constexpr = gl.constexpr(2)
@@ -452,29 +453,29 @@ def column_positions(s, tile):
 @gluon.jit
 def modified_scores(s, rows, tile, ctx, p_layout: gl.constexpr, RULES: gl.constexpr):
     """Raw scores s of key tile `tile` after the softcap, then ALiBi (`rule_scores`). At d = 64 (P's
-    wgmma is 64 wide) ALiBi's key positions convert to float once per column, at d = 128 once per score:
-    each is the faster there."""
+    wgmma is 64 wide) ALiBi's positions convert to float32 once per row and column rather than its
+    distance once per score, which measured faster there (not at d = 128); exact below FLOAT_POSITIONS."""
+    diagonal = rows + (ctx[LEN_K] - ctx[LEN_Q])
     keys = column_positions(s, tile)
     if p_layout.parent.instr_shape[1] == 64:
-        rows, keys = rows.to(gl.float32), keys.to(gl.float32)
-    s, _ = rule_scores(s, gl.expand_dims(rows, 1), gl.expand_dims(keys, 0), ctx, RULES)
+        diagonal, keys = diagonal.to(gl.float32), keys.to(gl.float32)
+    s, _ = rule_scores(s, gl.expand_dims(diagonal, 1), gl.expand_dims(keys, 0), ctx, RULES)
     return s
 
 
 @gluon.jit
-def rule_scores(s, q_pos, k_pos, ctx, RULES: gl.constexpr):
-    """Raw scores s of queries q_pos and keys k_pos (each broadcast against s, in either orientation) after
-    the softcap, then ALiBi (the SPEC's order), in raw units: softcap / scale and slope / scale
-    (`work_context`); and the softcap's derivative 1 - tanh^2 (1.0 without one). Positions given as
-    float32 take ALiBi's distance in float32 (a conversion before they broadcast rather than one per score;
-    conversions share the SFU's throughput)."""
+def rule_scores(s, diagonal, k_pos, ctx, RULES: gl.constexpr):
+    """Raw scores s of keys k_pos for queries whose own key position is `diagonal` (q + Nk - Nq; each
+    broadcast against s, in either orientation) after the softcap, then ALiBi (the SPEC's order), in raw
+    units: softcap / scale and slope / scale (`work_context`); and the softcap's derivative 1 - tanh^2
+    (1.0 without one)."""
     slope_of_cap = 1.0
     if RULES & SOFTCAP:
         capped = fast_tanh(s * ctx[INV_CAP])
         s = ctx[CAP] * capped
         slope_of_cap = 1.0 - capped * capped
     if RULES & ALIBI:
-        s = s - ctx[SLOPE] * gl.abs(q_pos + (ctx[LEN_K] - ctx[LEN_Q]) - k_pos).to(gl.float32)
+        s = s - ctx[SLOPE] * gl.abs(diagonal - k_pos).to(gl.float32)
     return s, slope_of_cap
 
 
@@ -775,7 +776,7 @@ def attend_tile(half: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, O, LSE
     return num_tiles
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=COUNTS)
 def gluon_forward_kernel(
     q_desc, k_desc, v_desc, o_desc, O, LSE, lse_stride, heads_q, batch_heads, group, len_q, len_k, num_row_tiles,
     heads_per_group, scale_log2, left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, SINKS_PTR, PREFIX_PTR,
@@ -903,6 +904,10 @@ def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, para
         reasons.append(f"tiles are fixed; got block_m={params.block_m}, block_n={params.block_n}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         reasons.append(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    longest = max(q.shape[2], k.shape[2])
+    if rules is not None and rules.alibi_slopes is not None and q.shape[-1] == 64 and longest > FLOAT_POSITIONS:
+        reasons.append(f"ALiBi at D=64 takes positions in float32, exact up to {FLOAT_POSITIONS} rows and keys; "
+                       f"got {longest}")
     if k.shape[2] == 0 and rules is not None and rules.sinks is not None:
         reasons.append("no keys: sinks alone are the Triton kernel's")
     if not tma_compatible(q, k, v):

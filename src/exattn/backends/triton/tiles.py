@@ -108,8 +108,7 @@ def tanh(x):
 @triton.jit
 def score_mods(s2, rows, cols, len_q, len_k, mods, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Base-2 scores after softcap, then ALiBi (the SPEC's order), and d(capped)/d(raw) = 1 - tanh^2
-    for the backward (1.0 without softcap). mods = (softcap * log2 e, slope * log2 e, prefix). rows and cols
-    convert to float before they broadcast: a conversion per row and column, not per score."""
+    for the backward (1.0 without softcap). mods = (softcap * log2 e, slope * log2 e, prefix)."""
     softcap2, slope2 = mods[0], mods[1]
     dcap = 1.0
     if HAS_SOFTCAP:
@@ -117,7 +116,7 @@ def score_mods(s2, rows, cols, len_q, len_k, mods, HAS_SOFTCAP: tl.constexpr, HA
         dcap = 1.0 - capped * capped
         s2 = softcap2 * capped
     if HAS_ALIBI:
-        s2 = s2 - slope2 * tl.abs((rows + (len_k - len_q)).to(tl.float32) - cols.to(tl.float32))
+        s2 = s2 - slope2 * tl.abs(rows + (len_k - len_q) - cols).to(tl.float32)
     return s2, dcap
 
 
