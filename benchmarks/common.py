@@ -20,6 +20,11 @@ def attention_flops(batch, heads, len_q, len_k, head_dim, causal=False, backward
     return flops * 2.5 if backward else flops
 
 
+def size_label(n: int) -> str:
+    """1024 -> "1k"; lengths that are not whole multiples of 1024 as they are."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def interleaved_seconds(fns: dict, warmup=1, repeats=5) -> dict[str, list[float]]:
     """Times of each callable, taken in alternating rounds so machine drift hits all alike."""
     for fn in fns.values():

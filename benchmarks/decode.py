@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 import exattn
-from common import interleaved_rounds
+from common import interleaved_rounds, size_label
 
 HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -558,7 +558,7 @@ def markdown_table(path: Path) -> str:
     for batch, context in shapes:
         ours = find_row(rows, "exattn", batch, context)
         ours_tbps = ours and ours["tbps"]
-        cells = [str(batch), f"{context // 1024}k",
+        cells = [str(batch), size_label(context),
                  f"{ours_tbps:.2f} ({ours['ms']:.4f})" if ours_tbps else "n/a"]
         for impl in ("sdpa_cudnn", "sdpa_flash", "flex"):
             theirs = tbps(impl, batch, context)

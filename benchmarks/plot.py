@@ -25,6 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
+from common import size_label  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PREFILL_KEYS = ("impl", "dtype", "head_dim", "causal", "seqlen", "fwd_tflops", "bwd_tflops")
@@ -57,10 +59,6 @@ def series(rows: list[dict], x: str, y: str, **match) -> tuple[list, list]:
     points = sorted((row[x], row[y]) for row in rows
                     if row[y] is not None and all(row.get(k) == v for k, v in match.items()))
     return [p[0] for p in points], [p[1] for p in points]
-
-
-def size_label(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def style_axis(ax, xs: list[int], xlabel: str, ylabel: str) -> None:

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import attention_flops, interleaved_rounds  # noqa: E402
+from common import attention_flops, interleaved_rounds, size_label  # noqa: E402
 
 IMPLS = ("exattn-triton", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,7 +64,7 @@ def positive_int(text: str) -> int:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    p.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--causal", default="0,1")
     p.add_argument("--dtypes", default="bf16,fp16")
@@ -262,7 +262,7 @@ def doc_table(rows) -> str:
     for key, ours in index.items():
         if key[0] != "exattn-triton":
             continue
-        cols = [key[1], str(key[2]), "yes" if key[3] else "no", f"{key[4] // 1024}k"]
+        cols = [key[1], str(key[2]), "yes" if key[3] else "no", size_label(key[4])]
         for pass_ in ("fwd", "bwd"):
             col = f"{pass_}_tflops"
             cudnn, flex, fa2 = (index.get((impl,) + key[1:], {}).get(col)

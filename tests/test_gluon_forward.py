@@ -83,9 +83,11 @@ SCHEDULES = [(64, {"consumers": 2, "stages": 4}), (64, {"pingpong": True}), (128
 @pytest.mark.parametrize("dim,causal,dtype,changes", [
     (64, False, torch.bfloat16, {}), (64, True, torch.bfloat16, {}), (64, True, torch.float16, {}),
     (128, False, torch.bfloat16, {}), (128, True, torch.bfloat16, {}), (128, True, torch.float16, {}),
-] + [(dim, True, torch.bfloat16, changes) for dim, changes in SCHEDULES])
+] + [(dim, True, torch.bfloat16, changes) for dim, changes in SCHEDULES]
+  + [(dim, causal, torch.bfloat16, "short") for dim in gf.SHORT_CONFIGS for causal in (False, True)])
 def test_compiles_for_sm90_without_spills(dim, causal, dtype, changes, tmp_path, monkeypatch):
-    monkeypatch.setitem(gf.CONFIGS, dim, gf.CONFIGS[dim]._replace(**changes))
+    schedule = gf.SHORT_CONFIGS[dim] if changes == "short" else gf.CONFIGS[dim]._replace(**changes)
+    monkeypatch.setitem(gf.CONFIGS, dim, schedule)
     kernel = compile_for_sm90(dim, causal, dtype)
     usage = resource_usage(kernel, tmp_path)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
@@ -224,9 +226,49 @@ SHAPES = [  # (B, Hq, Hk, Nq, Nk)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_oracle(dtype, d, causal, shape):
+@pytest.mark.parametrize("schedule", ["dispatched", "long"])
+def test_matches_oracle(dtype, d, causal, shape, schedule, monkeypatch):
+    """Through the schedule `forward_config` picks (every shape here is short), and through CONFIGS."""
+    if schedule == "long":
+        if d not in gf.SHORT_CONFIGS:
+            pytest.skip(f"d = {d} has one schedule")
+        monkeypatch.delitem(gf.SHORT_CONFIGS, d)
     torch.manual_seed(hash((d, causal) + shape) % 2**31)
     check(*gpu_inputs(*shape, d, dtype), causal)
+
+
+def test_short_problems_take_the_short_schedule():
+    """SHORT_CONFIGS for plain problems whose rows see at most SHORT_MEAN_KEYS keys on average."""
+    short, long = gf.SHORT_CONFIGS[64], gf.CONFIGS[64]
+    assert gf.forward_config(64, 1024, 1024, False, 0) is short
+    assert gf.forward_config(64, 2048, 2048, False, 0) is long
+    assert gf.forward_config(64, 2048, 2048, True, 0) is short
+    assert gf.forward_config(64, 4096, 4096, True, 0) is long
+    assert gf.forward_config(64, 1, 1024, True, 0) is short and gf.forward_config(64, 1, 1025, True, 0) is long
+    assert gf.forward_config(64, 1500, 700, True, 0) is short  # Nq > Nk under causal
+    assert gf.forward_config(64, 512, 512, True, gf.SOFTCAP.value) is long
+    assert gf.forward_config(64, 512, 512, False, gf.VARLEN.value) is long
+    assert gf.forward_config(128, 512, 512, True, 0) is gf.CONFIGS[128]
+    assert gf.persistent_grid(short, causal=True) and gf.persistent_grid(short, causal=False)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(4, 16, 4, 1024, 1024), (3, 6, 3, 1500, 700), (2, 8, 8, 2048, 2048)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_short_schedule_strides_over_many_tiles(causal, shape):
+    """The short d = 64 schedule's persistent grid over more work tiles than SMs, causal included."""
+    torch.manual_seed(hash((causal,) + shape) % 2**31)
+    q, k, v = gpu_inputs(*shape, 64, torch.bfloat16)
+    cfg = gf.forward_config(64, shape[3], shape[4], causal, 0)
+    if shape[3] == 2048 and not causal:
+        assert cfg is gf.CONFIGS[64]
+    else:
+        assert cfg is gf.SHORT_CONFIGS[64]
+        (programs,) = gf.forward_arguments(q, k, v, q, q, 0.5, causal, cfg=cfg)[1]
+        assert programs == torch.cuda.get_device_properties(0).multi_processor_count
+    check(q, k, v, causal)
 
 
 # Persistent grids (one program per SM striding over the work tiles; full attention only): more
@@ -253,6 +295,7 @@ def test_persistent_grid_only_for_full_attention():
     cfg = gf.GluonConfig(128, 2, persistent=True)
     assert gf.persistent_grid(cfg, causal=False) and not gf.persistent_grid(cfg, causal=True)
     assert not gf.persistent_grid(cfg._replace(persistent=False), causal=False)
+    assert gf.persistent_grid(cfg._replace(persistent_causal=True), causal=True)
 
 
 @pytest.mark.gpu

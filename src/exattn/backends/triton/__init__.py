@@ -31,10 +31,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 1.03-1.15x at 1k-2k. Backward: 1.06-1.10x at d = 128
 # from 2k, at d = 64 1.06-1.17x from 4k; at 1k
 # 1.07-1.25x and 2k 1.25-1.42x, both head dims, bf16 and fp16; bf16 at 512 (two rounds): d = 64
-# 1.06-1.17x with the kernel pair and ordered dQ 1.16-1.21x the pair; d = 128 causal read 0.92x in one
-# round (and ordered dQ 0.65x cuDNN in one), so d = 128 starts at 1k. Shorter lengths: not measured.
+# 1.06-1.17x with the kernel pair and ordered dQ 1.16-1.21x the pair; d = 128 at 512, kernel time (three
+# rounds, batch * N = 16k): 1.45x full, 1.41x causal. Shorter lengths: not measured.
 GLUON_FORWARD_MIN_LEN = {64: 1, 128: 1}
-GLUON_BACKWARD_MIN_LEN = {64: 512, 128: 1024}
+GLUON_BACKWARD_MIN_LEN = {64: 512, 128: 512}
 # Packed batches, by their longest query sequence: at d = 64 the Triton kernels read 1.22-1.52x the Gluon
 # backward on documents of 64-1024 tokens (longest 976), the Gluon one 1.11-1.18x theirs at 2048 and
 # 0.96-1.11x at 4289 (H200, bf16, 16k tokens, the varlen table's packings).

@@ -177,9 +177,9 @@ ATOMIC_CONFIGS = {64: GluonBackwardConfig(64, 4, 0, 0, in_registers=True, altern
                   128: GluonBackwardConfig(64, 3, 0, 0, dq_slots=1)}
 # Query lengths from which the deterministic backward adds dQ in order in the dK/dV kernel (where it
 # fits): with the writer warp 1.02-1.09x the dK/dV + dQ kernel pair at d = 64 and 128, N = 4k and 16k,
-# and within 3% of atomic dQ; bf16 at 512 and 1k (two rounds) 1.09-1.21x, every cell but d = 128 causal 512 (each path read
-# 0.65-0.71x cuDNN in one of its two rounds there; the Gluon backward starts at 1k at d = 128,
-# GLUON_BACKWARD_MIN_LEN). Shorter lengths: not compared.
+# and within 3% of atomic dQ; bf16 at 512 and 1k (two rounds) 1.09-1.21x, every cell but d = 128 causal 512
+# (each path read 0.65-0.71x cuDNN in one of its two rounds there, timed with the host in the loop).
+# Shorter lengths: not compared.
 ORDERED_DQ_MIN_LEN = 512
 # Ordered dQ under full attention without the rotation (`rotated_sweeps`) from these query lengths, per
 # head dim. d = 128, against the rotated order (same process, bf16 / fp16): 2k 0.96x, 4k 0.99x / level,

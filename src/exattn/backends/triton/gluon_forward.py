@@ -85,7 +85,8 @@ class GluonConfig(NamedTuple):
     runs under the others' matmuls; consumers: warpgroups of 64 query rows per program
     (3 leave 160 registers each: enough at d = 64, spills at d = 128); persistent: one
     program per SM strides over the work tiles (the next tile's Q and K/V load while the
-    consumers finish this one) instead of one program per tile, for full attention;
+    consumers finish this one) instead of one program per tile, for full attention, and with
+    persistent_causal under causal masking too;
     one_key_loop: one loop over a warpgroup's key tiles, the diagonal / ragged ones branching to the
     mask, instead of a loop of full tiles and a loop of masked ones."""
 
@@ -95,6 +96,7 @@ class GluonConfig(NamedTuple):
     consumers: int = 2
     persistent: bool = False
     one_key_loop: bool = False
+    persistent_causal: bool = False
 
 
 # d = 128 persistent: full attention 1.02-1.05x the one-program-per-tile grid, causal 0.86-0.95x;
@@ -104,6 +106,14 @@ class GluonConfig(NamedTuple):
 # 1.01-1.04x, d = 128 0.98-1.00x. At d = 64 causal 4k it executes 4.7% fewer instructions at the same
 # issue rate (Nsight Compute); the kernel is 4952 SASS instructions, not 6792.
 CONFIGS = {64: GluonConfig(128, 2, consumers=3, one_key_loop=True), 128: GluonConfig(128, 2, persistent=True)}
+# Plain problems whose rows see at most SHORT_MEAN_KEYS keys on average (`forward_config`): a program
+# of one work tile runs too few key tiles to hide its prologue and epilogue, so d = 64 takes two
+# consumer warpgroups on a persistent grid, causal included. H200, bf16, batch * N = 16k, kernel time
+# against the three-warpgroup grid: full 512 / 1k 1.27x / 1.12x (2k: 0.96x), causal 512 / 1k / 2k
+# 1.44x / 1.19x / 1.08x (4k: 0.96x). At d = 128 a persistent causal grid read 1.05x at 512, 0.73-0.91x
+# from 1k.
+SHORT_CONFIGS = {64: GluonConfig(128, 2, one_key_loop=True, persistent=True, persistent_causal=True)}
+SHORT_MEAN_KEYS = 1024
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 KEY_TILE: gl.constexpr = gl.constexpr(128)  # keys per tile, every configuration's block_n
@@ -949,10 +959,20 @@ def launch(q, k, v, params: AttentionParams, rules, packing):
         return out.zero_(), lse.fill_(float("-inf"))
     causal = params.window[1] != UNBOUNDED
     bits = rule_bits(params, rules, packing)
+    cfg = forward_config(q.shape[-1], q.shape[-2], k.shape[-2], causal, bits)
     args, grid = forward_arguments(*views, lse, scalar_args(params)["scale_log2"], causal, packing=packing,
-                                   rule_tensors=rule_arguments(views[0], views[1], params, rules, packing))
-    run_kernel(gluon_forward_kernel, grid, *args, **kernel_constants(q.shape[-1], causal, bits))
+                                   rule_tensors=rule_arguments(views[0], views[1], params, rules, packing), cfg=cfg)
+    run_kernel(gluon_forward_kernel, grid, *args, **kernel_constants(q.shape[-1], causal, bits, cfg))
     return out, lse
+
+
+def forward_config(dim: int, len_q: int, len_k: int, causal: bool, rules: int) -> GluonConfig:
+    """The kernel's schedule: SHORT_CONFIGS[dim] for a plain problem (no RULES bit) whose rows see at
+    most SHORT_MEAN_KEYS keys on average, else CONFIGS[dim]."""
+    mean_keys = len_k - len_q // 2 if causal else len_k
+    if rules == 0 and dim in SHORT_CONFIGS and mean_keys <= SHORT_MEAN_KEYS:
+        return SHORT_CONFIGS[dim]
+    return CONFIGS[dim]
 
 
 def rule_bits(params: AttentionParams, rules, packing) -> int:
@@ -997,18 +1017,18 @@ def segment_tables(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
 
 
 def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, programs: int | None = None,
-                      packing=None, rule_tensors: tuple | None = None) -> tuple:
+                      packing=None, rule_tensors: tuple | None = None, cfg: GluonConfig | None = None) -> tuple:
     """Positional arguments of `gluon_forward_kernel`, and its grid: `programs` (default: one per
     work tile, or on a persistent grid one per SM) striding over the work tiles. q, k, v, out are
     (B, H, N, D), or with `packing` the (1, H, total, D) views of the packed tensors; rule_tensors:
-    `rule_arguments` (default: no rule)."""
+    `rule_arguments` (default: no rule); cfg: the schedule (default CONFIGS[D])."""
     heads_q, dim = q.shape[1], q.shape[3]
     heads_k = k.shape[1]
     if packing is None:
         batch, len_q, len_k, lse_stride = q.shape[0], q.shape[2], k.shape[2], q.shape[2]
     else:
         batch, len_q, len_k, lse_stride = packing.batch, packing.max_q, packing.max_k, q.shape[2]
-    cfg = CONFIGS[dim]
+    cfg = cfg or CONFIGS[dim]
     row_tiles = ceil_div(len_q, cfg.consumers * ROWS.value)
     work = row_tiles * batch * heads_q
     if programs is None:
@@ -1035,15 +1055,16 @@ def causal_heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, head_b
 
 
 def persistent_grid(cfg: GluonConfig, causal: bool) -> bool:
-    """Whether the grid is persistent: `cfg.persistent`, for full attention only (causal programs of
-    one tile each, longest rows first, measured faster)."""
-    return cfg.persistent and not causal
+    """Whether the grid is persistent: `cfg.persistent`, for full attention, and under causal masking
+    with `cfg.persistent_causal` (else causal programs of one tile each, longest rows first, measured
+    faster)."""
+    return cfg.persistent and (not causal or cfg.persistent_causal)
 
 
-def kernel_constants(dim: int, causal: bool, rules: int = 0) -> dict:
-    """Constexpr arguments and launch options of the kernel for head dim `dim` and RULES `rules`
-    (`rule_bits`; any takes the one key loop)."""
-    cfg = CONFIGS[dim]
+def kernel_constants(dim: int, causal: bool, rules: int = 0, cfg: GluonConfig | None = None) -> dict:
+    """Constexpr arguments and launch options of the kernel for head dim `dim`, RULES `rules`
+    (`rule_bits`; any takes the one key loop) and schedule `cfg` (default CONFIGS[dim])."""
+    cfg = cfg or CONFIGS[dim]
     if cfg.consumers not in (2, 3):
         raise ValueError(f"GluonConfig.consumers must be 2 or 3, got {cfg.consumers}")
     maxnreg, consumer_regs = register_split(cfg.consumers)

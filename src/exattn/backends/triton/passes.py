@@ -48,12 +48,12 @@ class TritonSettings:
     atomic_dq: the dK/dV kernel also accumulates dQ in float32 by atomics and
         the dQ kernel is skipped: 5 matmuls per tile instead of 7, but gradients
         are no longer bitwise reproducible. Where the Gluon backward serves (head
-        dims 64 from Nq = 512 and 128 from 1024) it adds dQ tiles by TMA reductions
+        dims 64 and 128 from Nq = 512) it adds dQ tiles by TMA reductions
         (0.93-1.12x cuDNN at 1k-2k and 1.02-1.09x from 4k on the H200); elsewhere
         the Triton kernels use element atomics, slower than their deterministic
         default (docs/triton.md, docs/performance.md).
         Env: EXATTN_TRITON_ATOMIC_DQ=1.
-    ordered_dq: in the deterministic Gluon backward (d = 64 from Nq = 512, 128 from 1024), the
+    ordered_dq: in the deterministic Gluon backward (d = 64 and 128 from Nq = 512), the
         dK/dV kernel adds dQ itself by TMA reductions (a writer warp), each dQ
         tile's contributions in a fixed order (a semaphore per tile), where one
         head's key blocks fit on the GPU at once and the lengths allow
