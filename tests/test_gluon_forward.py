@@ -17,6 +17,7 @@ import pytest
 import torch
 import triton
 from error_rule import assert_matches_oracle
+from hard_inputs import own_key_scores_far_below_the_rest
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
@@ -309,6 +310,23 @@ def test_fully_masked_rows_give_zero_and_minus_inf(dtype, d):
     empty = 300 - 70  # rows i with i + Nk - Nq < 0
     assert (out[:, :, :empty] == 0).all() and (lse[:, :, :empty] == float("-inf")).all()
     assert torch.isfinite(lse[:, :, empty:]).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n_q,n_k", [(130, 200), (300, 333)])
+def test_rows_whose_first_tiles_are_masked_keep_very_negative_scores(dtype, d, n_q, n_k):
+    """A row's running max stays -inf through the key tiles it cannot see (window (0, 0): its own
+    key only, which scores about -200 |k|): a shift of 0 there underflows the row's mass."""
+    torch.manual_seed(12)
+    q, k, v = own_key_scores_far_below_the_rest(n_q, n_k, d, dtype, device="cuda")
+    out, lse = gf.gluon_forward(q, k, v, AttentionParams(scale=d ** -0.5, window=(0, 0)))
+    own = (q.double() * k[:, :, n_k - n_q:].double()).sum(-1) * d ** -0.5
+    assert own.max() < -400
+    torch.testing.assert_close(out, v[:, :, n_k - n_q:], rtol=0, atol=0)
+    torch.testing.assert_close(lse.double(), own, rtol=1e-5, atol=0)
 
 
 @pytest.mark.gpu

@@ -57,14 +57,17 @@ def forward_segment(
                 HAS_SEGMENTS,
             )
             m_new = tl.maximum(m_i, tl.max(s2, 1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s2 - m_new[:, None])
+            # A row with no allowed key so far shifts by 0 but keeps m = -inf, so that its later keys
+            # are shifted by their own maximum (a shift of 0 would underflow very negative scores).
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s2 - m_shift[:, None])
         else:
             # Unmasked tile: max commutes with the positive scale, so the scaling
             # and the shift are one fused multiply-add per score.
             m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+            m_shift = m_new
             p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             keep = dropout_keep(seed, dropout_p, drop_base, rows[:, None], cols[None, :], drop_cols)

@@ -554,9 +554,10 @@ def softmax_tile(s, m_i, l_i, rows, tile, ctx, row_ids, bounds, scale_log2, dtyp
         if needs_mask(tile, bounds[0], bounds[1], ctx, bounds[2], RULES):
             s = masked_scores(s, rows, tile, ctx, row_ids, CAUSAL, RULES)
     m_new = gl.maximum(m_i, gl.reduce(s, 1, larger))
-    if MASK != UNMASKED:
-        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
-    m_scaled = m_new * scale_log2
+    m_shift = m_new
+    if MASK != UNMASKED:  # no allowed key yet: shift by 0, keep m = -inf (`forward_kernel.forward_segment`)
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    m_scaled = m_shift * scale_log2
     alpha = gl.exp2(m_i * scale_log2 - m_scaled)
     p = gl.exp2(s * scale_log2 - gl.expand_dims(m_scaled, 1))
     l_i = l_i * alpha + gl.reduce(p, 1, plus)
