@@ -186,6 +186,21 @@ def test_zero_length_sequences(lens_q, lens_k, causal):
                 assert torch.equal(dq[rows], torch.zeros_like(dq[rows]))
 
 
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+def test_a_batch_without_keys_gives_zeros_and_each_heads_sink(backend):
+    """No sequence has a key (nothing for a tile of K or V to hold): every row sees its sink alone."""
+    torch.manual_seed(5)
+    q = torch.randn(8, 4, 16, requires_grad=True)
+    k, v = torch.randn(0, 2, 16), torch.randn(0, 2, 16)
+    sinks = torch.randn(4, requires_grad=True)
+    out, lse = exattn.attention_varlen(q, k, v, offsets([3, 5]), offsets([0, 0]), 5, 0, sinks=sinks,
+                                       return_lse=True, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse, sinks.detach()[:, None].expand(4, 8))
+    dq, dsinks = torch.autograd.grad(out, (q, sinks), torch.randn_like(out))
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dsinks, torch.zeros_like(dsinks))
+
+
 def test_total_smaller_than_the_number_of_sequences():
     check([0, 1, 0, 0, 1, 0], [1, 0, 0, 2, 1, 0], causal=True, backends=("tiled", "naive", "triton"))
 

@@ -299,6 +299,14 @@ def row_stats(q: torch.Tensor, packing: Packing | None) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=q.device)
 
 
+def lse_without_keys(lse: torch.Tensor, rules, packing: Packing | None) -> torch.Tensor:
+    """`lse` (`row_stats`) of rows that see no key: -inf, or their head's sink."""
+    if rules is None or rules.sinks is None:
+        return lse.fill_(float("-inf"))
+    sinks = rules.sinks.detach().to(lse.dtype)
+    return lse.copy_((sinks[:, None] if packing is not None else sinks[None, :, None]).expand_as(lse))
+
+
 @replayable(replay_key, lambda q, k, v, mask, params, *rest, **named: replays(q, params.dropout_p))
 def triton_forward(q, k, v, mask, params: AttentionParams, packing: Packing | None = None, rules=None):
     """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32, natural log.
@@ -313,9 +321,9 @@ def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | No
     batch, heads_q, heads_k, len_q, len_k, dim, dim_v = problem_sizes(q, k, v, packing)
     out = torch.empty((*q.shape[:-1], dim_v), dtype=q.dtype, device=q.device)
     lse = row_stats(q, packing)
+    if out.numel() == 0 or len_k == 0 or k.numel() == 0:
+        return out.zero_(), lse_without_keys(lse, rules, packing)
     rule_kernel_args, rule_flags = rule_args(q, params, rules)
-    if out.numel() == 0 or (len_k == 0 and not rule_flags["HAS_SINKS"]):
-        return out.zero_(), lse.fill_(float("-inf"))
     cfg = config_for("forward", q, v, mask, params)
     mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
     flags = kernel_flags(q, params)
