@@ -414,6 +414,7 @@ def test_paged_errors():
     (dict(backend="naive"), ValueError, "backend must be one of"),
     (dict(scale="big"), TypeError, "scale must be a float"),
     (dict(validate=1), TypeError, "validate must be a bool"),
+    (dict(return_lse="yes"), TypeError, "return_lse must be a bool, got 'yes' \\(str\\)"),
 ])
 def test_argument_errors(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):

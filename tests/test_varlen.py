@@ -511,6 +511,7 @@ BAD = [  # (id, arguments, error, the argument the message names, a piece of the
     ("max_seqlen a tensor", args(max_seqlen_k=torch.tensor(6)), TypeError, "max_seqlen_k", "got Tensor"),
     ("unknown backend", args(backend="cuda"), ValueError, "backend", "backend must be one of"),
     ("validate not a bool", args(validate="yes"), TypeError, "validate", "must be a bool"),
+    ("return_lse not a bool", args(return_lse=torch.ones(1)), TypeError, "return_lse", "must be a bool"),
     ("dropout out of range", args(dropout_p=1.0), ValueError, "dropout_p", "must be in [0, 1)"),
     ("window malformed", args(window=(3,)), ValueError, "window", "must be a pair"),
     ("block_m zero", args(block_m=0), ValueError, "block_m", "must be a positive int, got 0"),

@@ -10,7 +10,7 @@ from .backends import BackendChoice, choose_backend, get_backend
 from .backends.autograd import fused_attention
 from .backends.planned import PlannedPasses, planned_passes
 from .checked_calls import call_signature, known_call, remember
-from .problem import make_problem
+from .problem import check_bool, make_problem
 
 FUSED_BACKENDS = ("triton", "tiled")  # run through their passes (`fused_attention`)
 
@@ -88,9 +88,11 @@ def attention(
     Returns:
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
     """
+    check_bool("return_lse", return_lse)
     signature = None
     if (mask is None and segment_ids is None and prefix is None and alibi_slopes is None and sinks is None
-            and (dropout_p == 0 or seed is not None) and not torch.compiler.is_compiling()):
+            and (seed is not None or (type(dropout_p) in (int, float) and dropout_p == 0))
+            and not torch.compiler.is_compiling()):
         signature = call_signature("attention", (q, k, v), window,
                                    (causal, scale, dropout_p, seed, block_m, block_n, softcap, backend))
         known = known_call(signature)

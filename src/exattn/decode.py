@@ -34,7 +34,7 @@ from .algebra import merge_states
 from .backends.tiled import tiled_forward
 from .checked_calls import call_signature, known_call, remember
 from .problem import (
-    UNBOUNDED, AttentionParams, ScoreRules, check_same_dtype_device, check_scale, check_score_rules, check_softcap,
+    UNBOUNDED, AttentionParams, ScoreRules, check_bool, check_same_dtype_device, check_scale, check_score_rules, check_softcap,
     check_tensor, check_window, compute_dtype,
 )
 
@@ -199,8 +199,7 @@ def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, 
     if cache_seqlens is None:
         cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
     check_int_tensor("cache_seqlens", cache_seqlens, (batch,), q)
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    check_bool("validate", validate)
     rules = check_score_rules(batch=batch, heads_q=q.shape[1], len_q=len_q, len_k=capacity, device=q.device,
                               dtype=q.dtype, alibi_slopes=alibi_slopes, sinks=sinks)
     return DecodeProblem(
@@ -668,6 +667,7 @@ def decode(
     Returns:
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
     """
+    check_bool("return_lse", return_lse)
     signature = None
     if cache_seqlens is not None and alibi_slopes is None and not torch.compiler.is_compiling():
         signature = call_signature("decode", (q, k_cache, v_cache, cache_seqlens, block_table, sinks), window,

@@ -241,9 +241,16 @@ def check_scale(scale: object, head_dim: int) -> float:
     return float(scale)
 
 
+def check_bool(name: str, value: object) -> bool:
+    """`value` if it is a bool, else a TypeError naming the argument and what was given."""
+    if not isinstance(value, bool):
+        given = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)[:60]
+        raise TypeError(f"{name} must be a bool, got {given} ({type(value).__name__})")
+    return value
+
+
 def check_window(window: object, causal: object) -> tuple[int, int]:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     if window is None:
         left, right = UNBOUNDED, UNBOUNDED
     else:

@@ -36,7 +36,7 @@ import math
 import torch
 
 from .attention import attention
-from .problem import check_same_dtype_device, check_tensor
+from .problem import check_bool, check_same_dtype_device, check_tensor
 
 
 def sdpa(
@@ -70,8 +70,7 @@ def sdpa(
         check_input(name, x)
     check_same_dtype_device(query=query, key=key, value=value)
     check_lengths(query, key, value)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    check_bool("is_causal", is_causal)
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask must be None when is_causal=True (as in SDPA); got both")
     lead, heads_q, heads_kv = batch_layout(query, key, value, enable_gqa)
@@ -108,8 +107,7 @@ def heads(x: torch.Tensor) -> int:
 
 def batch_layout(query, key, value, enable_gqa: object) -> tuple[tuple[int, ...], int, int]:
     """(leading batch dims, query heads, key/value heads) after broadcasting, as SDPA does."""
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    check_bool("enable_gqa", enable_gqa)
     shapes = [tuple(x.shape[:-3]) for x in (query, key, value)]
     hq, hk, hv = heads(query), heads(key), heads(value)
     try:

@@ -52,6 +52,7 @@ from .problem import (
     AttentionProblem,
     HeadShapes,
     ScoreRules,
+    check_bool,
     check_qkv,
     check_score_rules,
     check_tensor,
@@ -205,8 +206,7 @@ def make_varlen_problem(
                 f"{total_name} = {x.shape[0]} rows cannot be packed into B = {batch} sequences of at most "
                 f"{max_name} = {most} rows; {max_name} must be at least the longest sequence"
             )
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    check_bool("validate", validate)
     if validate and torch.compiler.is_compiling():
         raise ValueError("validate=True reads the offsets to the host, which torch.compile cannot trace: "
                          "pass validate=False there (and check the offsets outside the compiled code)")
@@ -576,6 +576,7 @@ def attention_varlen(
         out (total_q, Hq, Dv) in q's dtype, or (out, lse) if return_lse. Differentiable
         in q, k, v.
     """
+    check_bool("return_lse", return_lse)
     problem = make_varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         window=window, scale=scale, dropout_p=dropout_p, seed=seed, block_m=block_m,

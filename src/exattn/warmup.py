@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import exattn
+from exattn.problem import check_bool
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -77,12 +78,6 @@ def kernel_dtype(name: str, value: object) -> torch.dtype:
     return value
 
 
-def boolean(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    return value
-
-
 def values_of(name: str, value: object, check: Callable[[str, object], object]) -> tuple:
     """A lone value or an iterable of them, each through `check`; duplicates dropped, never empty."""
     many = isinstance(value, Iterable) and not isinstance(value, (str, bytes))
@@ -137,9 +132,9 @@ def warmup_plan(*, head_dims=(64, 128), dtypes=(torch.bfloat16,), lengths=(1024,
         heads=heads,
         kv_heads=resolve_kv_heads(heads, kv_heads),
         batch=positive_int("batch", batch),
-        causal=values_of("causal", causal, boolean),
-        backward=boolean("backward", backward),
-        decode=boolean("decode", decode),
+        causal=values_of("causal", causal, check_bool),
+        backward=check_bool("backward", backward),
+        decode=check_bool("decode", decode),
         device=cuda_device(device),
     )
     check_triton_installed()

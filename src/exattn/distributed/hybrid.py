@@ -23,7 +23,8 @@ import torch.distributed as dist
 from ..attention import attention as local_attention
 from .layout import check_layout, shard
 from .ledger import MemoryLedger
-from .ring import check_bool, ring_call
+from ..problem import check_bool
+from .ring import ring_call
 from .score_rules import refuse_alibi
 from .ulysses import ulysses_call
 

@@ -61,6 +61,7 @@ from ..masks import sinks_grad
 from ..problem import (
     AttentionParams,
     ScoreRules,
+    check_bool,
     check_qkv,
     check_scale,
     check_window,
@@ -575,12 +576,6 @@ def check_zigzag_lengths(layout: str, **tensors: torch.Tensor) -> None:
                 "equal chunks per rank: the per-rank length must be even (the full length a "
                 "multiple of 2 * world)"
             )
-
-
-def check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
 
 
 def ring_call(q, k, v, *, causal, window, scale, group, layout, pieces, ledger, validate, record_inputs=True,

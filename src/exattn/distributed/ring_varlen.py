@@ -25,7 +25,8 @@ from ..varlen import (
 )
 from .checks import agree
 from .layout import check_layout, segments
-from .ring import check_bool, check_group, check_zigzag_lengths, ring_call
+from ..problem import check_bool
+from .ring import check_group, check_zigzag_lengths, ring_call
 from .score_rules import refuse_alibi
 
 WHAT = "ring_attention_varlen"

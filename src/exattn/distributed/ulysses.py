@@ -53,7 +53,8 @@ from ..varlen import (
 )
 from .checks import agree, peer_failure
 from .ledger import MemoryLedger, NullLedger, as_ledger, tensor_bytes
-from .ring import check_bool, check_group
+from ..problem import check_bool
+from .ring import check_group
 from .score_rules import (
     RuleTensor,
     SegmentIds,
