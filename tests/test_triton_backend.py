@@ -150,19 +150,20 @@ def test_rows_whose_first_tiles_are_masked_keep_very_negative_scores(dtype, back
     """A row's running max stays -inf through the tiles it cannot see: shifting by 0 there would
     underflow the row's own keys when they all score below about -87 (here about -800)."""
     torch.manual_seed(11)
-    q, k, v = own_key_scores_far_below_the_rest(130, 200, 16, dtype)
-    own_v = v[:, :, 70:]
+    n_q, n_k, d = 130, 200, 16
+    q, k, v = own_key_scores_far_below_the_rest(n_q, n_k, d, dtype)
+    own_keys = slice(n_k - n_q, n_k)
     out, lse = exattn.attention(q, k, v, window=(0, 0), return_lse=True, backend=backend)
-    own = (q.double() * k[:, :, 70:].double()).sum(-1) * 16 ** -0.5
+    own = (q.double() * k[:, :, own_keys].double()).sum(-1) * d ** -0.5
     assert own.max() < -400
-    torch.testing.assert_close(out, own_v, rtol=0, atol=0)
+    torch.testing.assert_close(out, v[:, :, own_keys], rtol=0, atol=0)
     torch.testing.assert_close(lse.double(), own, rtol=1e-6, atol=0)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     dout = torch.randn_like(q)
     out = exattn.attention(q, k, v, window=(0, 0), backend=backend)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    torch.testing.assert_close(dv[:, :, 70:], dout, rtol=0, atol=0)  # P = I on the own keys
-    assert (dv[:, :, :70] == 0).all()
+    torch.testing.assert_close(dv[:, :, own_keys], dout, rtol=0, atol=0)  # P = I on the own keys
+    assert (dv[:, :, :n_k - n_q] == 0).all()
     # dS = P (dP - delta) is 0 up to rounding, which |q| ~ 800 scales in dK
     assert dq.abs().max() < 1e-3 and dk.abs().max() < 1e-3 * q.abs().max()
 
