@@ -201,6 +201,15 @@ def apply_masks(scores, rows, cols, len_q, len_k, window, mask_tile) -> torch.Te
     return apply_score_rules(scores, rows, cols, len_q, len_k, window, mask_tile)
 
 
+def lse_without_keys(lse: torch.Tensor, sinks: torch.Tensor | None, head_dim: int) -> torch.Tensor:
+    """Fill `lse` (heads on `head_dim`) for rows that see no key: -inf, or their head's sink."""
+    if sinks is None:
+        return lse.fill_(NEG_INF)
+    heads = [1] * lse.dim()
+    heads[head_dim] = -1
+    return lse.copy_(sinks.detach().to(lse.dtype).reshape(heads).expand_as(lse))
+
+
 def sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, head_dim: int = 1) -> torch.Tensor:
     """d loss / d sinks, float32 (Hq,), from the saved lse (which includes the sink).
 

@@ -46,7 +46,7 @@ from .backends.autograd import no_gradients, returned_with_lse, row_delta, wants
 from .backends.custom_ops import PACKED, define_attention_ops
 from .backends.naive import NaiveBackend
 from .backends.tiled import tiled_backward, tiled_forward
-from .masks import sinks_grad
+from .masks import lse_without_keys, sinks_grad
 from .problem import (
     AttentionParams,
     AttentionProblem,
@@ -258,9 +258,8 @@ def sequence_rules(rules: ScoreRules | None, b: int) -> ScoreRules | None:
 
 def empty_lse(rules: ScoreRules | None, heads_q: int, total_q: int, dtype, device) -> torch.Tensor:
     """(Hq, total_q) lse of rows with no allowed key: -inf, or sinks[h] with sinks."""
-    if rules is None or rules.sinks is None:
-        return torch.full((heads_q, total_q), float("-inf"), dtype=dtype, device=device)
-    return rules.sinks.detach().to(dtype)[:, None].expand(heads_q, total_q).clone()
+    lse = torch.empty((heads_q, total_q), dtype=dtype, device=device)
+    return lse_without_keys(lse, None if rules is None else rules.sinks, head_dim=0)
 
 
 # The tiled passes run a packed batch as one sequence with segment ids (`one_sequence`) where its sequences

@@ -970,10 +970,10 @@ def launch(q, k, v, params: AttentionParams, rules, packing):
 def forward_config(dim: int, len_q: int, len_k: int, causal: bool, rules: int) -> GluonConfig:
     """The kernel's schedule: SHORT_CONFIGS[dim] for a plain problem (no RULES bit) whose rows see at
     most SHORT_MEAN_KEYS keys on average, else CONFIGS[dim]."""
+    if rules != 0 or dim not in SHORT_CONFIGS:
+        return CONFIGS[dim]
     mean_keys = len_k - len_q // 2 if causal else len_k
-    if rules == 0 and dim in SHORT_CONFIGS and mean_keys <= SHORT_MEAN_KEYS:
-        return SHORT_CONFIGS[dim]
-    return CONFIGS[dim]
+    return SHORT_CONFIGS[dim] if mean_keys <= SHORT_MEAN_KEYS else CONFIGS[dim]
 
 
 def rule_bits(params: AttentionParams, rules, packing) -> int:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from ...masks import lse_without_keys
 from ...problem import UNBOUNDED, AttentionParams, check_accumulators
 from . import replay_key, replays
 from .backward_kernel import attention_delta_kernel, attention_dkdv_kernel, attention_dq_kernel
@@ -299,14 +300,6 @@ def row_stats(q: torch.Tensor, packing: Packing | None) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=q.device)
 
 
-def lse_without_keys(lse: torch.Tensor, rules, packing: Packing | None) -> torch.Tensor:
-    """`lse` (`row_stats`) of rows that see no key: -inf, or their head's sink."""
-    if rules is None or rules.sinks is None:
-        return lse.fill_(float("-inf"))
-    sinks = rules.sinks.detach().to(lse.dtype)
-    return lse.copy_((sinks[:, None] if packing is not None else sinks[None, :, None]).expand_as(lse))
-
-
 @replayable(replay_key, lambda q, k, v, mask, params, *rest, **named: replays(q, params.dropout_p))
 def triton_forward(q, k, v, mask, params: AttentionParams, packing: Packing | None = None, rules=None):
     """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32, natural log.
@@ -322,7 +315,7 @@ def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | No
     out = torch.empty((*q.shape[:-1], dim_v), dtype=q.dtype, device=q.device)
     lse = row_stats(q, packing)
     if out.numel() == 0 or len_k == 0 or k.numel() == 0:
-        return out.zero_(), lse_without_keys(lse, rules, packing)
+        return out.zero_(), lse_without_keys(lse, None if rules is None else rules.sinks, 1 if packing is None else 0)
     rule_kernel_args, rule_flags = rule_args(q, params, rules)
     cfg = config_for("forward", q, v, mask, params)
     mask_kind, mask_arg, mask_strides = mask_arguments(mask, q)
