@@ -81,6 +81,12 @@ SCHEDULES = [(64, {"consumers": 2, "stages": 4}), (64, {"pingpong": True}), (128
              (64, {"one_key_loop": False}), (128, {"one_key_loop": True})]
 
 
+# Stack bytes ptxas may park for a schedule, measured faster than its spill-free form: the short d = 128
+# causal schedule's one key loop (8 bytes) against two loops, kernel time 1.07x / 1.04x / 1.01x at
+# 512 / 1k / 2k (H200, bf16, batch * N = 16k).
+PARKED_BYTES = {(128, True, "short"): 8}
+
+
 @pytest.mark.parametrize("dim,causal,dtype,changes", [
     (64, False, torch.bfloat16, {}), (64, True, torch.bfloat16, {}), (64, True, torch.float16, {}),
     (128, False, torch.bfloat16, {}), (128, True, torch.bfloat16, {}), (128, True, torch.float16, {}),
@@ -91,7 +97,8 @@ def test_compiles_for_sm90_without_spills(dim, causal, dtype, changes, tmp_path,
     monkeypatch.setitem(gf.CONFIGS, dim, schedule)
     kernel = compile_for_sm90(dim, causal, dtype)
     usage = resource_usage(kernel, tmp_path)
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
+    parked = PARKED_BYTES.get((dim, causal, changes if isinstance(changes, str) else None), 0)
+    assert usage["LOCAL"] == 0 and usage["STACK"] <= parked, f"register spills: {usage}"
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no warp specialization"
@@ -258,24 +265,27 @@ def test_short_problems_take_the_short_schedule():
     assert gf.forward_config(64, 1500, 700, True, 0) is short  # Nq > Nk under causal
     assert gf.forward_config(64, 512, 512, True, gf.SOFTCAP.value) is long
     assert gf.forward_config(64, 512, 512, False, gf.VARLEN.value) is long
-    assert gf.forward_config(128, 512, 512, True, 0) is gf.CONFIGS[128]
-    assert gf.persistent_grid(short, causal=True) and gf.persistent_grid(short, causal=False)
+    assert gf.forward_config(128, 2048, 2048, True, 0) is gf.SHORT_CONFIGS[128]
+    assert gf.forward_config(128, 4096, 4096, True, 0) is gf.CONFIGS[128]
+    for cfg in gf.SHORT_CONFIGS.values():
+        assert gf.persistent_grid(cfg, causal=True) and gf.persistent_grid(cfg, causal=False)
 
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("d", sorted(gf.SHORT_CONFIGS))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(4, 16, 4, 1024, 1024), (3, 6, 3, 1500, 700), (2, 8, 8, 2048, 2048)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_short_schedule_strides_over_many_tiles(causal, shape):
-    """The short d = 64 schedule's persistent grid over more work tiles than SMs, causal included."""
-    torch.manual_seed(hash((causal,) + shape) % 2**31)
-    q, k, v = gpu_inputs(*shape, 64, torch.bfloat16)
-    cfg = gf.forward_config(64, shape[3], shape[4], causal, 0)
+def test_short_schedule_strides_over_many_tiles(d, causal, shape):
+    """The short schedule's persistent grid over more work tiles than SMs, causal included."""
+    torch.manual_seed(hash((d, causal) + shape) % 2**31)
+    q, k, v = gpu_inputs(*shape, d, torch.bfloat16)
+    cfg = gf.forward_config(d, shape[3], shape[4], causal, 0)
     if shape[3] == 2048 and not causal:
-        assert cfg is gf.CONFIGS[64]
+        assert cfg is gf.CONFIGS[d]
     else:
-        assert cfg is gf.SHORT_CONFIGS[64]
+        assert cfg is gf.SHORT_CONFIGS[d]
         (programs,) = gf.forward_arguments(q, k, v, q, q, 0.5, causal, cfg=cfg)[1]
         assert programs == torch.cuda.get_device_properties(0).multi_processor_count
     check(q, k, v, causal)
@@ -404,7 +414,7 @@ def test_triton_backend_uses_gluon_with_correct_gradients(d, causal, monkeypatch
 
 def forced_heads_per_group(size):
     """A stand-in for `schedule.heads_per_group`: `size` heads per group where it divides the heads."""
-    return lambda rank_costs, batch_heads, programs, head_bytes: size if batch_heads % size == 0 else 1
+    return lambda rank_costs, batch_heads, programs, head_bytes, strided=False: size if batch_heads % size == 0 else 1
 
 
 @pytest.mark.gpu

@@ -107,12 +107,15 @@ class GluonConfig(NamedTuple):
 # issue rate (Nsight Compute); the kernel is 4952 SASS instructions, not 6792.
 CONFIGS = {64: GluonConfig(128, 2, consumers=3, one_key_loop=True), 128: GluonConfig(128, 2, persistent=True)}
 # Plain problems whose rows see at most SHORT_MEAN_KEYS keys on average (`forward_config`): a program
-# of one work tile runs too few key tiles to hide its prologue and epilogue, so d = 64 takes two
-# consumer warpgroups on a persistent grid, causal included. H200, bf16, batch * N = 16k, kernel time
-# against the three-warpgroup grid: full 512 / 1k 1.27x / 1.12x (2k: 0.96x), causal 512 / 1k / 2k
-# 1.44x / 1.19x / 1.08x (4k: 0.96x). At d = 128 a persistent causal grid read 1.05x at 512, 0.73-0.91x
-# from 1k.
-SHORT_CONFIGS = {64: GluonConfig(128, 2, one_key_loop=True, persistent=True, persistent_causal=True)}
+# of one work tile runs too few key tiles to hide its prologue and epilogue, so they take a persistent
+# grid, causal included (its head groups sized for the stride: `schedule.strided_makespan`), and one
+# key loop; d = 64 with two consumer warpgroups and three K/V slots. H200, bf16, batch * N = 16k,
+# kernel time against CONFIGS: d = 64 full 512 / 1k 1.27x / 1.12x (2k: 0.96x), causal 512 / 1k / 2k
+# 1.44x / 1.19x / 1.08x (4k: 0.96x), with three slots 1.00x / 1.04x / 1.03x the two (causal; full
+# 1.00x); d = 128 causal 512 / 1k / 2k 1.42x / 1.26x / 1.08x (4k: 0.98x), full 512 0.99x (its causal
+# form parks 8 bytes on the stack; two key loops, without: 0.93-0.99x the one loop).
+SHORT_CONFIGS = {64: GluonConfig(128, 3, one_key_loop=True, persistent=True, persistent_causal=True),
+                 128: GluonConfig(128, 2, one_key_loop=True, persistent=True, persistent_causal=True)}
 SHORT_MEAN_KEYS = 1024
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -1032,13 +1035,14 @@ def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, progra
     cfg = cfg or CONFIGS[dim]
     row_tiles = ceil_div(len_q, cfg.consumers * ROWS.value)
     work = row_tiles * batch * heads_q
+    strided = persistent_grid(cfg, causal)
     if programs is None:
-        programs = min(work, multiprocessor_count(q.device)) if persistent_grid(cfg, causal) else work
+        programs = min(work, multiprocessor_count(q.device)) if strided else work
     order = 1
     if causal:
         costs = schedule.causal_row_costs(len_q, len_k, cfg.consumers * ROWS.value, cfg.block_n)
         kv_bytes = 2 * len_k * dim * k.element_size() // (heads_q // heads_k)  # per query head
-        order = causal_heads_per_group(costs, batch * heads_q, kv_bytes, q.device)
+        order = causal_heads_per_group(costs, batch * heads_q, kv_bytes, q.device, programs if strided else None)
     if rule_tensors is None:
         rule_tensors = rule_arguments(q, k, AttentionParams(scale=1.0), None, None)
     args = (tile_descriptor(q, ROWS.value), tile_descriptor(k, cfg.block_n), tile_descriptor(v, cfg.block_n),
@@ -1048,10 +1052,13 @@ def forward_arguments(q, k, v, out, lse, scale_log2: float, causal: bool, progra
 
 
 def causal_heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, head_bytes: int,
-                           device: torch.device) -> int:
-    """`schedule.heads_per_group` for this device's SMs (1, head-major, off CUDA: compile tests)."""
+                           device: torch.device, persistent_programs: int | None = None) -> int:
+    """`schedule.heads_per_group` for a grid list-scheduled on this device's SMs, or for
+    `persistent_programs` striding over the tiles (1, head-major, off CUDA: compile tests)."""
     if device.type != "cuda":
         return 1
+    if persistent_programs is not None:
+        return schedule.heads_per_group(rank_costs, batch_heads, persistent_programs, head_bytes, strided=True)
     return schedule.heads_per_group(rank_costs, batch_heads, multiprocessor_count(device), head_bytes)
 
 

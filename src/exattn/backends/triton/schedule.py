@@ -12,6 +12,11 @@ follow one another, so the SMs stay on a few heads at a time (their K/V shared
 in L2) while the last tiles of the grid are short ones. The group size is
 chosen by simulating the list schedule (`makespan`) for each size whose heads'
 K/V fit in `L2_SHARE`. The kernels' `longest_first` reads this order.
+
+A persistent grid (one program per SM, program p running tiles p, p + P, ...)
+is not list-scheduled: its group size is chosen by simulating that striding
+(`strided_makespan`), where the list schedule's choice can leave some programs
+with a third more work than others.
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ def makespan(costs, programs: int) -> int:
     return max(finish, default=0)
 
 
+def strided_makespan(costs, programs: int) -> int:
+    """When the last of `programs` persistent programs finishes, program p running tiles p, p + programs, ..."""
+    finish = [0] * min(programs, len(costs))
+    for t, cost in enumerate(costs):
+        finish[t % programs] += cost + TILE_OVERHEAD
+    return max(finish, default=0)
+
+
 def grouped_costs(rank_costs: tuple[int, ...], batch_heads: int, heads_per_group: int) -> list[int]:
     """The costs of all batch_heads * len(rank_costs) tiles in the order `longest_first` gives them
     (rank_costs[r]: the cost of every head's r-th longest tile; heads_per_group divides batch_heads)."""
@@ -40,14 +53,17 @@ def grouped_costs(rank_costs: tuple[int, ...], batch_heads: int, heads_per_group
 
 
 @functools.lru_cache(maxsize=512)
-def heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, programs: int, head_bytes: int) -> int:
+def heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, programs: int, head_bytes: int,
+                    strided: bool = False) -> int:
     """The group size (a divisor of batch_heads, 1 = head-major) whose simulated schedule ends first;
-    the smallest such (L2 locality) within 0.5%. head_bytes: what one head's tiles read in common."""
+    the smallest such (L2 locality) within 0.5%. head_bytes: what one head's tiles read in common;
+    strided: the grid is persistent (`strided_makespan`), else list-scheduled (`makespan`)."""
     if len(rank_costs) * batch_heads > MAX_SIMULATED_TILES or programs < 1:
         return 1
     largest = max(1, L2_SHARE // max(head_bytes, 1))
     sizes = [g for g in range(1, min(largest, batch_heads) + 1) if batch_heads % g == 0]
-    spans = {g: makespan(grouped_costs(rank_costs, batch_heads, g), programs) for g in sizes}
+    simulate = strided_makespan if strided else makespan
+    spans = {g: simulate(grouped_costs(rank_costs, batch_heads, g), programs) for g in sizes}
     best = min(spans.values())
     return min(g for g, span in spans.items() if span <= best * 1.005)
 
