@@ -127,15 +127,17 @@ RULE_SETS = {"window softcap alibi sinks": 15, "prefix segments": 48, "every rul
              "packed with rules": 79}
 
 
-@pytest.mark.parametrize("rules", RULE_SETS)
+@pytest.mark.parametrize("rules,schedule", [(rules, "long") for rules in RULE_SETS] + [("packed", "short")])
 @pytest.mark.parametrize("dim,causal", [(64, True), (128, True), (128, False)])
-def test_rule_variants_compile_for_sm90(dim, causal, rules, tmp_path):
+def test_rule_variants_compile_for_sm90(dim, causal, rules, schedule, tmp_path):
     """The score rules and packing keep the kernel's design; spills stay small (the d = 64 kernel's three
-    consumer warpgroups have 160 registers each)."""
+    consumer warpgroups have 160 registers each). Packing alone also takes the short schedules."""
+    cfg = gf.SHORT_CONFIGS[dim] if schedule == "short" else gf.CONFIGS[dim]
     q, k, v = (torch.empty(2, heads, 300, dim, dtype=torch.bfloat16) for heads in (4, 2, 2))
     args, _ = gf.forward_arguments(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), 0.5, causal, programs=4,
-                                   rule_tensors=rule_placeholders())
-    kernel = compile_gluon_for_sm90(gf.gluon_forward_kernel, args, gf.kernel_constants(dim, causal, RULE_SETS[rules]))
+                                   rule_tensors=rule_placeholders(), cfg=cfg)
+    kernel = compile_gluon_for_sm90(gf.gluon_forward_kernel, args,
+                                    gf.kernel_constants(dim, causal, RULE_SETS[rules], cfg))
     usage = resource_usage(kernel, tmp_path)
     assert usage["LOCAL"] == 0 and usage["STACK"] <= 128, f"register spills: {usage}"
     ptx = kernel.asm["ptx"]
@@ -255,7 +257,7 @@ def test_long_schedule_matches_oracle_on_short_shapes(dtype, d, causal, shape, m
 
 
 def test_short_problems_take_the_short_schedule():
-    """SHORT_CONFIGS for plain problems whose rows see at most SHORT_MEAN_KEYS keys on average."""
+    """SHORT_CONFIGS for problems without score rules whose rows see at most SHORT_MEAN_KEYS keys on average."""
     short, long = gf.SHORT_CONFIGS[64], gf.CONFIGS[64]
     assert gf.forward_config(64, 1024, 1024, False, 0) is short
     assert gf.forward_config(64, 2048, 2048, False, 0) is long
@@ -264,11 +266,32 @@ def test_short_problems_take_the_short_schedule():
     assert gf.forward_config(64, 1, 1024, True, 0) is short and gf.forward_config(64, 1, 1025, True, 0) is long
     assert gf.forward_config(64, 1500, 700, True, 0) is short  # Nq > Nk under causal
     assert gf.forward_config(64, 512, 512, True, gf.SOFTCAP.value) is long
-    assert gf.forward_config(64, 512, 512, False, gf.VARLEN.value) is long
+    assert gf.forward_config(64, 512, 512, False, gf.VARLEN.value) is short  # packing: the longest sequence's
+    assert gf.forward_config(64, 512, 512, False, gf.VARLEN.value | gf.ALIBI.value) is long
+    assert gf.forward_config(64, 512, 512, True, gf.VARLEN.value, ragged=True) is short
+    assert gf.forward_config(128, 512, 512, True, gf.VARLEN.value) is gf.SHORT_CONFIGS[128]
+    assert gf.forward_config(128, 512, 512, True, gf.VARLEN.value, ragged=True) is gf.CONFIGS[128]
     assert gf.forward_config(128, 2048, 2048, True, 0) is gf.SHORT_CONFIGS[128]
     assert gf.forward_config(128, 4096, 4096, True, 0) is gf.CONFIGS[128]
     for cfg in gf.SHORT_CONFIGS.values():
         assert gf.persistent_grid(cfg, causal=True) and gf.persistent_grid(cfg, causal=False)
+
+
+def test_packed_problems_of_equal_lengths_take_the_dense_schedule():
+    """Packed (total, H, D) tensors: the longest sequence's lengths, and ragged unless the totals show
+    every sequence at that length."""
+    from exattn.backends.triton.passes import Packing
+
+    cu = torch.tensor([0, 512, 1024, 1536, 2048], dtype=torch.int32)
+    equal = torch.empty(2048, 4, 128)
+    packing = Packing(cu, cu, 512, 512)
+    assert gf.launch_config(equal, equal, True, gf.VARLEN.value, packing) is gf.SHORT_CONFIGS[128]
+    ragged = Packing(cu, cu, 600, 512)
+    assert gf.launch_config(equal, equal, True, gf.VARLEN.value, ragged) is gf.CONFIGS[128]
+    assert gf.launch_config(equal[:, :, :64], equal[:, :, :64], True, gf.VARLEN.value, ragged) is gf.SHORT_CONFIGS[64]
+    dense = torch.empty(4, 4, 512, 128)
+    assert gf.launch_config(dense, dense, True, 0, None) is gf.SHORT_CONFIGS[128]
+    assert gf.launch_config(dense, torch.empty(4, 4, 4096, 128), True, 0, None) is gf.CONFIGS[128]
 
 
 @pytest.mark.gpu
