@@ -85,6 +85,20 @@ def test_persistent_head_groups_balance_the_stride(len_q, heads):
     assert strided <= 1.04 * ideal and strided <= listed, (strided, listed, ideal)
 
 
+@pytest.mark.parametrize("len_q,heads", [(1024, 16384), (512, 32768), (2048, 8192)])
+def test_persistent_head_groups_balance_huge_grids(len_q, heads):
+    """Beyond MAX_SIMULATED_TILES head-major order would leave some programs 1.16-1.43x the mean work
+    whatever the grid's size; a prefix of the order is simulated instead."""
+    costs = schedule.causal_row_costs(len_q, len_q, 128, 128)
+    assert len(costs) * heads > schedule.MAX_SIMULATED_TILES
+    size = schedule.heads_per_group(costs, heads, 132, 1 << 12, strided=True)
+    whole = schedule.grouped_costs(costs, heads, size)
+    ideal = sum(cost + schedule.TILE_OVERHEAD for cost in whole) / 132
+    assert schedule.strided_makespan(whole, 132) <= 1.02 * ideal
+    head_major = schedule.grouped_costs(costs, heads, 1)
+    assert schedule.strided_makespan(head_major, 132) > 1.15 * ideal
+
+
 def test_list_schedule_groups_unbalance_a_stride():
     """Why the stride has its own choice: at 512 the list schedule's groups leave some programs a third
     more work than the mean."""

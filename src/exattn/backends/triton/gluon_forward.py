@@ -108,7 +108,7 @@ class GluonConfig(NamedTuple):
 CONFIGS = {64: GluonConfig(128, 2, consumers=3, one_key_loop=True), 128: GluonConfig(128, 2, persistent=True)}
 # Plain problems whose rows see at most SHORT_MEAN_KEYS keys on average (`forward_config`): a program
 # of one work tile runs too few key tiles to hide its prologue and epilogue, so they take a persistent
-# grid, causal included (its head groups sized for the stride: `schedule.strided_makespan`), and one
+# grid, causal included (its head groups sized for the stride: `schedule.strided_imbalance`), and one
 # key loop; d = 64 with two consumer warpgroups and three K/V slots. H200, bf16, batch * N = 16k,
 # kernel time against CONFIGS: d = 64 full 512 / 1k 1.27x / 1.12x (2k: 0.96x), causal 512 / 1k / 2k
 # 1.44x / 1.19x / 1.08x (4k: 0.96x), with three slots 1.00x / 1.04x / 1.03x the two (causal; full

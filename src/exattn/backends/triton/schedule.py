@@ -15,8 +15,10 @@ K/V fit in `L2_SHARE`. The kernels' `longest_first` reads this order.
 
 A persistent grid (one program per SM, program p running tiles p, p + P, ...)
 is not list-scheduled: its group size is chosen by simulating that striding
-(`strided_makespan`), where the list schedule's choice can leave some programs
-with a third more work than others.
+(`strided_imbalance`), where the list schedule's choice can leave some programs
+with a third more work than others. The stride meets the order's pattern the
+same way however many heads follow, so head-major order is no fallback there:
+a prefix of the order is simulated instead.
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ def makespan(costs, programs: int) -> int:
 
 def strided_makespan(costs, programs: int) -> int:
     """When the last of `programs` persistent programs finishes, program p running tiles p, p + programs, ..."""
-    finish = [0] * min(programs, len(costs))
-    for t, cost in enumerate(costs):
-        finish[t % programs] += cost + TILE_OVERHEAD
-    return max(finish, default=0)
+    return max((sum(costs[p::programs]) + TILE_OVERHEAD * len(range(p, len(costs), programs))
+                for p in range(min(programs, len(costs)))), default=0)
+
+
+def strided_imbalance(rank_costs: tuple[int, ...], batch_heads: int, heads_per_group: int, programs: int) -> float:
+    """`strided_makespan` over the mean work per program, for the first heads of `grouped_costs` (whole
+    groups, at most MAX_SIMULATED_TILES tiles: the stride meets the order's pattern the same way after)."""
+    heads = min(batch_heads, max(1, MAX_SIMULATED_TILES // len(rank_costs) // heads_per_group) * heads_per_group)
+    costs = grouped_costs(rank_costs, heads, heads_per_group)
+    return strided_makespan(costs, programs) * programs / (sum(costs) + TILE_OVERHEAD * len(costs))
 
 
 def grouped_costs(rank_costs: tuple[int, ...], batch_heads: int, heads_per_group: int) -> list[int]:
@@ -57,13 +65,15 @@ def heads_per_group(rank_costs: tuple[int, ...], batch_heads: int, programs: int
                     strided: bool = False) -> int:
     """The group size (a divisor of batch_heads, 1 = head-major) whose simulated schedule ends first;
     the smallest such (L2 locality) within 0.5%. head_bytes: what one head's tiles read in common;
-    strided: the grid is persistent (`strided_makespan`), else list-scheduled (`makespan`)."""
-    if len(rank_costs) * batch_heads > MAX_SIMULATED_TILES or programs < 1:
+    strided: the grid is persistent (`strided_imbalance`), else list-scheduled (`makespan`)."""
+    if programs < 1 or not rank_costs or (not strided and len(rank_costs) * batch_heads > MAX_SIMULATED_TILES):
         return 1
     largest = max(1, L2_SHARE // max(head_bytes, 1))
     sizes = [g for g in range(1, min(largest, batch_heads) + 1) if batch_heads % g == 0]
-    simulate = strided_makespan if strided else makespan
-    spans = {g: simulate(grouped_costs(rank_costs, batch_heads, g), programs) for g in sizes}
+    if strided:
+        spans = {g: strided_imbalance(rank_costs, batch_heads, g, programs) for g in sizes}
+    else:
+        spans = {g: makespan(grouped_costs(rank_costs, batch_heads, g), programs) for g in sizes}
     best = min(spans.values())
     return min(g for g, span in spans.items() if span <= best * 1.005)
 
