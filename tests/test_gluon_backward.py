@@ -233,14 +233,35 @@ def test_dkdv_kernel_adds_dq_under_full_attention_alibi(dim, tmp_path):
 
 
 def test_dkdv_kernel_adds_dq_where_measured_faster():
-    """Without rules and with ALiBi alone under full attention; causal ALiBi, softcap, and any rule that
-    narrows a key block's query tiles (window bounds, prefix, segment ids, packing) keep the dQ kernel."""
-    cap, alibi = gf.SOFTCAP.value, gf.ALIBI.value
+    """Without rules, with ALiBi alone under full attention, and causal with a window's left bound or a
+    prefix alone; causal ALiBi, softcap, a window and a prefix together (the blocks that reach a tile
+    are then two runs), and the other rules that narrow a key block's query tiles (a right bound,
+    segment ids, packing) keep the dQ kernel."""
+    cap, alibi, left, prefix = gf.SOFTCAP.value, gf.ALIBI.value, gf.LEFT.value, gf.PREFIX.value
     assert gb.dq_in_dkdv_serves(0, True) and gb.dq_in_dkdv_serves(alibi, False)
+    assert gb.dq_in_dkdv_serves(left, True) and gb.dq_in_dkdv_serves(prefix, True)
     assert not gb.dq_in_dkdv_serves(alibi, True) and not gb.dq_in_dkdv_serves(cap, True)
-    for bits in (gf.LEFT.value | alibi, gf.RIGHT.value | alibi, gf.PREFIX.value, gf.SEGMENTS.value | alibi,
-                 gf.VARLEN.value, cap | alibi, cap):
-        assert not gb.dq_in_dkdv_serves(bits, False)
+    assert not gb.dq_in_dkdv_serves(left, False) and not gb.dq_in_dkdv_serves(prefix, False)
+    for bits in (left | alibi, gf.RIGHT.value | alibi, left | gf.RIGHT.value, left | prefix, gf.SEGMENTS.value | alibi,
+                 gf.VARLEN.value, cap | alibi, cap, left | gf.SINKS.value | cap):
+        assert not gb.dq_in_dkdv_serves(bits, False) and not gb.dq_in_dkdv_serves(bits, True)
+
+
+@pytest.mark.parametrize("dim", [128, 64])
+@pytest.mark.parametrize("rule", ["LEFT", "PREFIX"])
+def test_dkdv_kernel_adds_dq_under_a_causal_window_or_prefix(dim, rule, tmp_path):
+    """A causal window's left bound or a prefix shapes each key block's sweep for the consumers and the dQ
+    writer alike (`key_block_sweep` under the rules); the kernel parks at most 72 bytes (d = 128; 56
+    without a rule)."""
+    bits = getattr(gf, rule).value
+    cfg = gb.tile_config(bits, True, dim)
+    assert cfg is gb.ATOMIC_CONFIGS[dim]
+    args, consts = launch_arguments("dkdv", dim, torch.bfloat16, False, cfg, "ordered", rule_tables=rule_tables())
+    kernel = compile_gluon_for_sm90(KERNELS["dkdv"], args, {**consts, "RULES": bits, "ROTATE": False, "CAUSAL": True})
+    usage = resource_usage(kernel, tmp_path)
+    assert usage["LOCAL"] == 0 and usage["STACK"] <= 72, f"register spills: {usage}"
+    ptx = kernel.asm["ptx"]
+    assert "cp.reduce.async.bulk" in ptx and "atom.global.gpu.relaxed.add.u32" in ptx
 
 
 def sass_lines(kernel, tmp_path) -> list[str]:
@@ -840,6 +861,49 @@ def test_ordered_dq_reruns_are_bitwise_equal_with_many_contributors(d, causal, m
     torch.manual_seed(10)
     assert_reruns_bitwise_equal(*gpu_inputs(2, 8, 2, 4096, 4096, d, torch.bfloat16, with_dout=True), causal,
                                 reruns=4, path="ordered")
+
+
+# Causal rules under which the key blocks that reach a query tile stay one run (`dq_in_dkdv_serves`):
+# keywords of exattn.attention (a prefix per batch entry, none in one, longer than Nk in another).
+ORDERED_RULES = {"window 1000": dict(window=(1000, 0)), "window 130": dict(window=(130, 0)),
+                 "window 0": dict(window=(0, 0)), "prefix": dict(causal=True, prefix=(700, 0)),
+                 "long prefix": dict(causal=True, prefix=(3000, 130))}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("rule", ORDERED_RULES)
+def test_ordered_dq_under_causal_rules_matches_oracle_and_reruns_bitwise(d, rule, monkeypatch):
+    """Each query tile hears from the key blocks that reach it, from the last down (`dq_rank`): no dQ
+    kernel, gradients within the oracle rule, reruns bitwise equal; Nq > Nk leaves rows that see only
+    the prefix."""
+    from exattn.backends.triton import triton_forward
+    from exattn.problem import ScoreRules
+
+    ordered_everywhere(monkeypatch)
+    kernels = []
+    real = gb.run_kernel
+    monkeypatch.setattr(gb, "run_kernel", lambda kernel, *args, **kw: kernels.append(kernel) or real(kernel, *args, **kw))
+    torch.manual_seed(14 + len(rule))
+    q, k, v, dout = gpu_inputs(2, 8, 2, 2100, 2000, d, torch.bfloat16, with_dout=True)
+    kwargs = dict(ORDERED_RULES[rule])
+    if "prefix" in kwargs:
+        kwargs["prefix"] = torch.tensor(kwargs["prefix"], dtype=torch.int32, device=q.device)
+    params = AttentionParams(scale=d ** -0.5, window=kwargs.get("window", (-1, 0)))
+    rules = ScoreRules(prefix=kwargs.get("prefix"))
+    out, lse = triton_forward(q, k, v, None, params, rules)
+    grads = gb.gluon_backward(dout, q, k, v, out, lse, params, rules=rules)
+    assert gb.gluon_dq_kernel not in kernels and gb.gluon_dkdv_kernel in kernels
+    inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(attention_ref(*inputs, **kwargs), inputs, dout.double())
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    naive = torch.autograd.grad(exattn.attention(*inputs, **kwargs, backend="naive"), inputs, dout)
+    for name, ours, base, r in zip(("dq", "dk", "dv"), grads, naive, ref):
+        assert_matches_oracle(name, ours, base, r, q.dtype)
+    for _ in range(3):
+        for a, b in zip(grads, gb.gluon_backward(dout, q, k, v, out, lse, params, rules=rules)):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -980,8 +980,7 @@ def launch_config(q: torch.Tensor, k: torch.Tensor, causal: bool, rules: int, pa
     sequences all have the longest one's length where the totals say so."""
     if packing is None:
         return forward_config(q.shape[-1], q.shape[-2], k.shape[-2], causal, rules)
-    ragged = (q.shape[0], k.shape[0]) != (packing.batch * packing.max_q, packing.batch * packing.max_k)
-    return forward_config(q.shape[-1], packing.max_q, packing.max_k, causal, rules, ragged)
+    return forward_config(q.shape[-1], packing.max_q, packing.max_k, causal, rules, not packing.equal_lengths(q, k))
 
 
 def forward_config(dim: int, len_q: int, len_k: int, causal: bool, rules: int, ragged: bool = False) -> GluonConfig:

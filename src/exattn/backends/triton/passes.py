@@ -241,6 +241,12 @@ class Packing(NamedTuple):
     def batch(self) -> int:
         return self.cu_q.shape[0] - 1
 
+    def equal_lengths(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether every sequence has the longest lengths, which the totals of q and k show without
+        reading the offsets (offsets from 0 that do not decrease, end at the totals and keep each length
+        within max_q / max_k, as `attention_varlen` validates)."""
+        return (q.shape[0], k.shape[0]) == (self.batch * self.max_q, self.batch * self.max_k)
+
 
 def kernel_view(x: torch.Tensor, packing: Packing | None) -> tuple[torch.Tensor, tuple[int, ...]]:
     """(tensor, (batch, head, row, col) strides) as the kernels index it: a packed (total, H, d)
