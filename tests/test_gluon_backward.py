@@ -218,18 +218,23 @@ def test_rule_variants_compile_for_sm90(kind, dim, causal, rules, tmp_path):
 
 
 @pytest.mark.parametrize("dim", [128, 64])
-def test_dkdv_kernel_adds_dq_under_full_attention_alibi(dim, tmp_path):
-    """ALiBi alone under full attention keeps the plain sweeps and tiles, so the dK/dV kernel forms dQ in
-    order as without rules (`dq_in_dkdv_serves`), parking at most the 216 bytes of
-    `test_rule_variants_compile_for_sm90`."""
-    bits = gf.ALIBI.value
+@pytest.mark.parametrize("rule,causal,parked", [("ALIBI", False, 216), ("LEFT", True, 72), ("PREFIX", True, 72)])
+def test_dkdv_kernel_adds_dq_under_the_rules_that_keep_its_order(dim, rule, causal, parked, tmp_path):
+    """ALiBi alone under full attention keeps the plain sweeps and tiles, and a causal window's left bound or
+    a prefix shapes each key block's sweep for the consumers and the dQ writer alike (`key_block_sweep`
+    under the rules): the dK/dV kernel forms dQ in order as without rules (`dq_in_dkdv_serves`), parking
+    at most the 216 bytes of `test_rule_variants_compile_for_sm90` with ALiBi and 72 with the window
+    (d = 128; 56 without a rule)."""
+    bits = getattr(gf, rule).value
     cfg = gb.tile_config(bits, True, dim)
     assert cfg is gb.ATOMIC_CONFIGS[dim]
     args, consts = launch_arguments("dkdv", dim, torch.bfloat16, False, cfg, "ordered", rule_tables=rule_tables())
-    kernel = compile_gluon_for_sm90(KERNELS["dkdv"], args, {**consts, "RULES": bits, "ROTATE": True, "CAUSAL": False})
+    kernel = compile_gluon_for_sm90(KERNELS["dkdv"], args,
+                                    {**consts, "RULES": bits, "ROTATE": not causal, "CAUSAL": causal})
     usage = resource_usage(kernel, tmp_path)
-    assert usage["LOCAL"] == 0 and usage["STACK"] <= 216, f"register spills: {usage}"
-    assert "cp.reduce.async.bulk" in kernel.asm["ptx"]
+    assert usage["LOCAL"] == 0 and usage["STACK"] <= parked, f"register spills: {usage}"
+    ptx = kernel.asm["ptx"]
+    assert "cp.reduce.async.bulk" in ptx and "atom.global.gpu.relaxed.add.u32" in ptx
 
 
 def test_dkdv_kernel_adds_dq_where_measured_faster():
@@ -245,23 +250,6 @@ def test_dkdv_kernel_adds_dq_where_measured_faster():
     for bits in (left | alibi, gf.RIGHT.value | alibi, left | gf.RIGHT.value, left | prefix, gf.SEGMENTS.value | alibi,
                  gf.VARLEN.value, cap | alibi, cap, left | gf.SINKS.value | cap):
         assert not gb.dq_in_dkdv_serves(bits, False) and not gb.dq_in_dkdv_serves(bits, True)
-
-
-@pytest.mark.parametrize("dim", [128, 64])
-@pytest.mark.parametrize("rule", ["LEFT", "PREFIX"])
-def test_dkdv_kernel_adds_dq_under_a_causal_window_or_prefix(dim, rule, tmp_path):
-    """A causal window's left bound or a prefix shapes each key block's sweep for the consumers and the dQ
-    writer alike (`key_block_sweep` under the rules); the kernel parks at most 72 bytes (d = 128; 56
-    without a rule)."""
-    bits = getattr(gf, rule).value
-    cfg = gb.tile_config(bits, True, dim)
-    assert cfg is gb.ATOMIC_CONFIGS[dim]
-    args, consts = launch_arguments("dkdv", dim, torch.bfloat16, False, cfg, "ordered", rule_tables=rule_tables())
-    kernel = compile_gluon_for_sm90(KERNELS["dkdv"], args, {**consts, "RULES": bits, "ROTATE": False, "CAUSAL": True})
-    usage = resource_usage(kernel, tmp_path)
-    assert usage["LOCAL"] == 0 and usage["STACK"] <= 72, f"register spills: {usage}"
-    ptx = kernel.asm["ptx"]
-    assert "cp.reduce.async.bulk" in ptx and "atom.global.gpu.relaxed.add.u32" in ptx
 
 
 def sass_lines(kernel, tmp_path) -> list[str]:
