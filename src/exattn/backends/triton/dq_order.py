@@ -66,8 +66,8 @@ def dq_rank(col_tile, t, num_col_tiles, num_row_tiles, offset, prefix_blocks, BL
     last before it. Full, not rotated: every sweep starts at tile 0, and the blocks take turns in
     launch order (block 0 first)."""
     if CAUSAL:
-        first = gl.minimum(num_col_tiles, gl.maximum(gl.cdiv((t + 1) * BLOCK_M + offset, 2 * ROWS), prefix_blocks)) - 1
-        return first - col_tile
+        reaching = gl.maximum(gl.cdiv((t + 1) * BLOCK_M + offset, 2 * ROWS), prefix_blocks)
+        return gl.minimum(num_col_tiles, reaching) - 1 - col_tile
     elif ROTATE:
         first = gl.minimum(num_col_tiles, gl.cdiv((t + 1) * num_col_tiles, num_row_tiles)) - 1
         return (first - col_tile + num_col_tiles) % num_col_tiles
