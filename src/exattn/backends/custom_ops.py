@@ -22,6 +22,7 @@ an explicit `seed` when `dropout_p > 0` (drawing one reads a tensor's value).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -52,6 +53,7 @@ def params_to_args(params: AttentionParams) -> tuple:
             params.block_m or 0, params.block_n or 0, params.softcap)
 
 
+@functools.lru_cache(maxsize=256)  # an op call's host path: a model's layers repeat one set of params
 def params_from_args(scale, left, right, dropout_p, seed, block_m, block_n, softcap) -> AttentionParams:
     return AttentionParams(
         scale=scale, window=(left, right), dropout_p=dropout_p, seed=seed,
@@ -60,6 +62,8 @@ def params_from_args(scale, left, right, dropout_p, seed, block_m, block_n, soft
 
 
 def rules_from_args(tensors) -> ScoreRules | None:
+    if all(x is None for x in tensors):
+        return None
     rules = ScoreRules(*tensors)
     return rules if rules.in_use() else None
 
@@ -125,6 +129,7 @@ def define_attention_ops(name: str, layout: Layout, load_passes: Callable[[], ob
     and is called when an op runs, so a backend whose module needs triton is imported only then.
     """
     count = layout.count
+    load_passes = functools.cache(load_passes)
 
     def forward_impl(q, k, v, *args):
         layout_args, params, rules = split_args(args, layout)
