@@ -10,7 +10,7 @@ from error_rule import assert_matches_oracle
 from torch._dynamo.backends.registry import lookup_backend
 
 import exattn
-from exattn.backends.custom_ops import params_to_args
+from exattn.backends.custom_ops import params_from_args, params_to_args
 from exattn.problem import AttentionParams, ScoreRules, make_problem
 from exattn.reference import attention_ref
 from exattn.varlen import make_varlen_problem
@@ -212,3 +212,12 @@ def test_the_ops_take_no_dropout_grid():
     params = AttentionParams(scale=0.5, dropout_p=0.1, seed=3, dropout_grid=(1, 8, 8))
     with pytest.raises(ValueError, match="dropout_grid"):
         params_to_args(params)
+
+
+def test_op_arguments_give_back_the_params_they_came_from():
+    """The ops rebuild params from their arguments (kept per argument set): each comes back equal, the
+    arguments' types included (an int dropout_p stays an int, 0.0 stays a float)."""
+    for params in (AttentionParams(scale=0.5, window=(7, 0), dropout_p=0), AttentionParams(scale=0.5, window=(7, 0)),
+                   AttentionParams(scale=0.5, window=(-1, 0), dropout_p=0.1, seed=2, block_m=16, softcap=3.0)):
+        rebuilt = params_from_args(*params_to_args(params))
+        assert rebuilt == params and type(rebuilt.dropout_p) is type(params.dropout_p)

@@ -223,8 +223,8 @@ def test_dkdv_kernel_adds_dq_under_the_rules_that_keep_its_order(dim, rule, caus
     """ALiBi alone under full attention keeps the plain sweeps and tiles, and a causal window's left bound or
     a prefix shapes each key block's sweep for the consumers and the dQ writer alike (`key_block_sweep`
     under the rules): the dK/dV kernel forms dQ in order as without rules (`dq_in_dkdv_serves`), parking
-    at most the 216 bytes of `test_rule_variants_compile_for_sm90` with ALiBi and 72 with the window
-    (d = 128; 56 without a rule)."""
+    at most the 216 bytes of `test_rule_variants_compile_for_sm90` with ALiBi and 72 with a window or a
+    prefix (d = 128; 56 without a rule)."""
     bits = getattr(gf, rule).value
     cfg = gb.tile_config(bits, True, dim)
     assert cfg is gb.ATOMIC_CONFIGS[dim]

@@ -53,7 +53,7 @@ def params_to_args(params: AttentionParams) -> tuple:
             params.block_m or 0, params.block_n or 0, params.softcap)
 
 
-@functools.lru_cache(maxsize=256)  # an op call's host path: a model's layers repeat one set of params
+@functools.lru_cache(maxsize=256, typed=True)  # an op call's host path: a model's layers repeat one set
 def params_from_args(scale, left, right, dropout_p, seed, block_m, block_n, softcap) -> AttentionParams:
     return AttentionParams(
         scale=scale, window=(left, right), dropout_p=dropout_p, seed=seed,
