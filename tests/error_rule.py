@@ -27,3 +27,10 @@ def assert_matches_oracle(name: str, ours, naive, ref, dtype: torch.dtype, floor
     floor *= max(1.0, float(ref.detach().abs().nan_to_num(posinf=0, neginf=0).max()) if ref.numel() else 1.0)
     err, base = max_abs_error(ours, ref), max_abs_error(naive, ref)
     assert err <= 2 * base + floor, f"{name}: err {err:.3e} > 2 * naive {base:.3e} + {floor:.1e}"
+
+
+def floor_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose floor judges tensor `name` of inputs in `dtype`: lse (float32 from any input
+    dtype) float32's; every other, d sinks too, the inputs' (d sinks = -sum P_sink * delta, with
+    delta from the stored output, carries that output's rounding: docs/error-bound.md)."""
+    return torch.float32 if name == "lse" and dtype in (torch.float16, torch.bfloat16) else dtype

@@ -24,7 +24,7 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.runtime.jit import mangle_type
 
 from exattn.backends.triton import decode_kernel, passes
-from exattn.problem import AttentionParams
+from exattn.problem import AttentionParams, ScoreRules
 
 KERNELS = {"forward": "attention_forward_kernel", "delta": "attention_delta_kernel",
            "dkdv": "attention_dkdv_kernel", "dq": "attention_dq_kernel"}
@@ -43,18 +43,21 @@ class RecordedLaunch:
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
-def recorded_launches(params: AttentionParams, mask, use_tma: bool) -> dict:
-    """{kind: (args, kwargs)} of one forward and one backward of the Triton passes on CPU tensors
-    (for a throwaway process: the kernels in `passes` stay replaced by recorders)."""
+def recorded_launches(params: AttentionParams, mask, use_tma: bool, rows: int = 300, dim: int = 96,
+                      alibi: bool = False) -> dict:
+    """{kind: (args, kwargs)} of one forward and one backward of the Triton passes on CPU tensors, `rows`
+    query rows, head dim `dim`, GQA 2:1, with ALiBi or no rule (for a throwaway process: the kernels in
+    `passes` stay replaced by recorders)."""
     recorders = {kind: RecordedLaunch() for kind in KERNELS}
     for kind, name in KERNELS.items():
         setattr(passes, name, recorders[kind])
     passes.can_use_tma = lambda *tensors: use_tma
     torch.manual_seed(0)
-    q = torch.randn(2, 4, 300, 96, dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 2, 211, 96, dtype=torch.bfloat16) for _ in range(2))
-    out, lse = passes.launch_forward(q, k, v, mask, params)
-    passes.launch_backward(out, q, k, v, mask, out, lse, params)
+    q = torch.randn(2, 4, rows, dim, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 211, dim, dtype=torch.bfloat16) for _ in range(2))
+    rules = ScoreRules(alibi_slopes=torch.rand(2, 4)) if alibi else None
+    out, lse = passes.launch_forward(q, k, v, mask, params, rules=rules)
+    passes.launch_backward(out, q, k, v, mask, out, lse, params, rules=rules)
     return {kind: recorder.calls[0] for kind, recorder in recorders.items()}
 
 
@@ -119,6 +122,9 @@ def compile_for_sm90(kernel, args, kwargs):
 CASES = {
     "causal-tma": (AttentionParams(scale=0.1, window=(-1, 0)), False, True),
     "window-mask-dropout-pointers": (AttentionParams(scale=0.1, window=(40, 3), dropout_p=0.1, seed=5), True, False),
+    # one query row, a constant the JIT specializes: the dK/dV kernel's head loop, which builds
+    # descriptors, must stay out of the pipeliner
+    "one-row-alibi-d128-tma": (AttentionParams(scale=0.1), False, True, 1, 128, True),
 }
 DECODE_CASES = {"decode-contiguous": (False, False), "decode-paged": (True, False),
                 "decode-paged-merge-in-split": (True, True),
@@ -135,10 +141,10 @@ def compile_case(case: str) -> dict:
         real = {kind: getattr(decode_kernel, name) for kind, name in DECODE_KERNELS.items()}
         launches = recorded_decode_launches(*DECODE_CASES[case])
     else:
-        params, with_mask, use_tma = CASES[case]
+        params, with_mask, use_tma, *shape_and_rule = CASES[case]
         mask = torch.randn(2, 1, 300, 211) if with_mask else None
         real = {kind: getattr(passes, name) for kind, name in KERNELS.items()}
-        launches = recorded_launches(params, mask, use_tma)
+        launches = recorded_launches(params, mask, use_tma, *shape_and_rule)
     shared = {}
     for kind, (args, kwargs) in launches.items():
         compiled = compile_for_sm90(real[kind], args, kwargs)

@@ -244,7 +244,7 @@ def attention_dkdv_kernel(
         lo, full_lo, full_hi, hi = with_segment_tiles((lo, full_lo, full_hi, hi), SEG_RANGES, b, n0 // BLOCK_N,
                                                       num_col_tiles)
     seg_keys = segment_ids(SEG_K, seg_k_strides, b, cols, len_k, -2, HAS_SEGMENTS)
-    for g in range(0, group):
+    for g in tl.range(0, group, num_stages=1):  # descriptors built per head: the pipeliner cannot predicate them
         dk, dv = dkdv_head(
             dk, dv, k, v, Q, DO, Q_DESC, DO_DESC, LSE, DELTA, DQ_ACC, MASK, q_strides, do_strides, dq_strides,
             mask_strides, b, hk * group + g, heads_q, (lo, full_lo, full_hi, hi), cols, offs_m,
