@@ -218,14 +218,16 @@ def test_rule_variants_compile_for_sm90(kind, dim, causal, rules, tmp_path):
 
 
 @pytest.mark.parametrize("dim", [128, 64])
-@pytest.mark.parametrize("rule,causal,parked", [("ALIBI", False, 216), ("LEFT", True, 72), ("PREFIX", True, 72)])
+@pytest.mark.parametrize("rule,causal,parked", [("ALIBI", False, 216), ("LEFT", True, 72), ("PREFIX", True, 72),
+                                                 ("SEGMENTS", True, 216), ("NARROWING", True, 216)])
 def test_dkdv_kernel_adds_dq_under_the_rules_that_keep_its_order(dim, rule, causal, parked, tmp_path):
-    """ALiBi alone under full attention keeps the plain sweeps and tiles, and a causal window's left bound or
-    a prefix shapes each key block's sweep for the consumers and the dQ writer alike (`key_block_sweep`
+    """ALiBi alone under full attention keeps the plain sweeps and tiles, and a causal window's left bound,
+    a prefix or segment ids shape each key block's sweep for the consumers and the dQ writer alike (`key_block_sweep`
     under the rules): the dK/dV kernel forms dQ in order as without rules (`dq_in_dkdv_serves`), parking
-    at most the 216 bytes of `test_rule_variants_compile_for_sm90` with ALiBi and 72 with a window or a
-    prefix (d = 128; 56 without a rule)."""
-    bits = getattr(gf, rule).value
+    at most the 216 bytes of `test_rule_variants_compile_for_sm90` with ALiBi or segment ids and 72 with a
+    window or a prefix (d = 128; 56 without a rule)."""
+    bits = getattr(gb, rule, None) or getattr(gf, rule)
+    bits = bits.value
     cfg = gb.tile_config(bits, True, dim)
     assert cfg is gb.ATOMIC_CONFIGS[dim]
     args, consts = launch_arguments("dkdv", dim, torch.bfloat16, False, cfg, "ordered", rule_tables=rule_tables())
@@ -238,17 +240,17 @@ def test_dkdv_kernel_adds_dq_under_the_rules_that_keep_its_order(dim, rule, caus
 
 
 def test_dkdv_kernel_adds_dq_where_measured_faster():
-    """Without rules, with ALiBi alone under full attention, and causal with a window's left bound or a
-    prefix alone; causal ALiBi, softcap, a window and a prefix together (the blocks that reach a tile
-    are then two runs), and the other rules that narrow a key block's query tiles (a right bound,
-    segment ids, packing) keep the dQ kernel."""
-    cap, alibi, left, prefix = gf.SOFTCAP.value, gf.ALIBI.value, gf.LEFT.value, gf.PREFIX.value
+    """Without rules, with ALiBi alone under full attention, and causal under any mix of the rules that
+    only narrow a key block's sweep (`NARROWING`: a window's left bound, a prefix, segment ids); causal
+    ALiBi, softcap, a right bound and packing keep the dQ kernel."""
+    cap, alibi, left, prefix, segments = (gf.SOFTCAP.value, gf.ALIBI.value, gf.LEFT.value, gf.PREFIX.value,
+                                          gf.SEGMENTS.value)
     assert gb.dq_in_dkdv_serves(0, True) and gb.dq_in_dkdv_serves(alibi, False)
-    assert gb.dq_in_dkdv_serves(left, True) and gb.dq_in_dkdv_serves(prefix, True)
+    for bits in (left, prefix, segments, left | prefix, left | prefix | segments):
+        assert gb.dq_in_dkdv_serves(bits, True) and not gb.dq_in_dkdv_serves(bits, False)
     assert not gb.dq_in_dkdv_serves(alibi, True) and not gb.dq_in_dkdv_serves(cap, True)
-    assert not gb.dq_in_dkdv_serves(left, False) and not gb.dq_in_dkdv_serves(prefix, False)
-    for bits in (left | alibi, gf.RIGHT.value | alibi, left | gf.RIGHT.value, left | prefix, gf.SEGMENTS.value | alibi,
-                 gf.VARLEN.value, cap | alibi, cap, left | gf.SINKS.value | cap):
+    for bits in (left | alibi, gf.RIGHT.value | alibi, left | gf.RIGHT.value, segments | alibi,
+                 gf.VARLEN.value, left | gf.VARLEN.value, cap | alibi, cap, left | gf.SINKS.value | cap):
         assert not gb.dq_in_dkdv_serves(bits, False) and not gb.dq_in_dkdv_serves(bits, True)
 
 
@@ -855,7 +857,11 @@ def test_ordered_dq_reruns_are_bitwise_equal_with_many_contributors(d, causal, m
 # keywords of exattn.attention (a prefix per batch entry, none in one, longer than Nk in another).
 ORDERED_RULES = {"window 1000": dict(window=(1000, 0)), "window 130": dict(window=(130, 0)),
                  "window 0": dict(window=(0, 0)), "prefix": dict(causal=True, prefix=(700, 0)),
-                 "long prefix": dict(causal=True, prefix=(3000, 130))}
+                 "long prefix": dict(causal=True, prefix=(3000, 130)),
+                 "window prefix": dict(window=(300, 0), prefix=(700, 0)),
+                 "documents": dict(causal=True, documents=7), "unsorted documents": dict(causal=True, documents=5,
+                                                                                        shuffled=True),
+                 "documents window prefix": dict(window=(500, 0), prefix=(200, 0), documents=4)}
 
 
 @pytest.mark.gpu
@@ -866,6 +872,8 @@ def test_ordered_dq_under_causal_rules_matches_oracle_and_reruns_bitwise(d, rule
     """Each query tile hears from the key blocks that reach it, from the last down (`dq_rank`): no dQ
     kernel, gradients within the oracle rule, reruns bitwise equal; Nq > Nk leaves rows that see only
     the prefix."""
+    from test_triton_score_rules import document_ids
+
     from exattn.backends.triton import triton_forward
     from exattn.problem import ScoreRules
 
@@ -878,8 +886,12 @@ def test_ordered_dq_under_causal_rules_matches_oracle_and_reruns_bitwise(d, rule
     kwargs = dict(ORDERED_RULES[rule])
     if "prefix" in kwargs:
         kwargs["prefix"] = torch.tensor(kwargs["prefix"], dtype=torch.int32, device=q.device)
+    documents, shuffled = kwargs.pop("documents", None), kwargs.pop("shuffled", False)
+    if documents is not None:
+        kwargs["segment_ids"] = tuple(x.cuda() for x in document_ids(q, k, documents, shuffled))
     params = AttentionParams(scale=d ** -0.5, window=kwargs.get("window", (-1, 0)))
-    rules = ScoreRules(prefix=kwargs.get("prefix"))
+    q_ids, k_ids = kwargs.get("segment_ids", (None, None))
+    rules = ScoreRules(q_ids, k_ids, kwargs.get("prefix"))
     out, lse = triton_forward(q, k, v, None, params, rules)
     grads = gb.gluon_backward(dout, q, k, v, out, lse, params, rules=rules)
     assert gb.gluon_dq_kernel not in kernels and gb.gluon_dkdv_kernel in kernels

@@ -119,6 +119,7 @@ from .gluon_forward import (
     longest_first,
     packed_view,
     paired_cast,
+    plus,
     position_segments,
     program_id_again,
     release,
@@ -325,14 +326,36 @@ def key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k, group
         lo, full, hi = query_tiles(n0, len_q, len_k, BLOCK_M, CAUSAL)
         place = (b, 0, 0, 0)
     else:
-        ctx = work_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
-        QUERY_TILES = rules[13] + b * gl.cdiv(len_k, KEY_TILE) * RANGE_FIELDS
+        ctx, QUERY_TILES = key_block_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
         lo, hi = query_range(n0, ctx, QUERY_TILES, BLOCK_M, CAUSAL, RULES)
         full = hi
         place = sequence_place(b, ctx, RULES)
     tiles = gl.maximum(hi - lo, 0)
     start = sweep_start(n0 // (2 * ROWS), num_col_tiles, tiles, ROTATE)
     return b, hk, n0, lo, full, tiles, start, place
+
+
+@gluon.jit
+def key_block_context(rules, b, h, len_q, len_k, scale_log2, RULES: gl.constexpr):
+    """(work context, the batch entry's row of the dK/dV kernel's segment-id table) of `query_range`."""
+    ctx = work_context(rules, b, h, len_q, len_k, scale_log2, RULES)
+    return ctx, rules[13] + b * gl.cdiv(len_k, KEY_TILE) * RANGE_FIELDS
+
+
+@gluon.jit
+def later_sweeps(col_tile, t, num_col_tiles, ctx, QUERY_TILES, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                 RULES: gl.constexpr):
+    """How many key blocks after col_tile sweep query tile t (`query_range`), counted 32 blocks a pass by the
+    writer warp: the rank of col_tile's contribution to t where later blocks reach a tile first."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    count = 0
+    for first in range(0, num_col_tiles, 32):
+        blocks = first + gl.arange(0, 32, layout=layout)
+        exists = blocks < num_col_tiles
+        lo, hi = query_range(gl.where(exists, blocks, 0) * (2 * ROWS), ctx, QUERY_TILES, BLOCK_M, CAUSAL, RULES)
+        later = exists & (blocks > col_tile) & (lo <= t) & (t < hi)
+        count += gl.reduce(later.to(gl.int32), 0, plus)
+    return count
 
 
 @gluon.jit
@@ -469,8 +492,9 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
                         ROTATE: gl.constexpr, rules, scale_log2, RULES: gl.constexpr):
     """Writer warp (ATOMIC_DQ; idle otherwise): adds each staged dQ tile, both its column halves,
     into the float32 dQ by TMA reductions and frees its slot once they have read it. With SEM, one
-    tile after another in the order of `dq_rank` (`dq_order.py`). Its sweep is the consumers'
-    (`key_block_sweep` under the same rules)."""
+    tile after another in the order of `dq_rank` (`dq_order.py`), or causal under rules that narrow the
+    sweeps (NARROWING) of `later_sweeps`. Its sweep is the consumers' (`key_block_sweep` under the same
+    rules)."""
     if ATOMIC_DQ:
         dq_smem, dq_desc, dq_bars = dq_parts[3], dq_parts[4], dq_parts[6]
         staged, free = dq_bars
@@ -480,10 +504,9 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
         b, hk, n0, lo, _, tiles, start, _ = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k,
                                                             group, rules, scale_log2, BLOCK_M, CAUSAL, ROTATE, RULES)
         row_tiles = gl.cdiv(len_q, BLOCK_M)
-        prefix_blocks = 0
-        if RULES & PREFIX:
-            ctx = work_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
-            prefix_blocks = gl.cdiv(ctx[PREFIX_KEYS], 2 * ROWS)
+        COUNTED: gl.constexpr = CAUSAL and (RULES & NARROWING) != 0
+        if COUNTED:
+            ctx, QUERY_TILES = key_block_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
         for j in range(group * tiles):
             t = sweep_tile(j, lo, tiles, start, ROTATE)
             head = hk * group + j // tiles
@@ -494,8 +517,11 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
             mbarrier.wait(staged.index(slot), (j // SLOTS) & 1)
             first_write = False
             if ORDERED:
-                rank = dq_rank(n0 // (2 * ROWS), t, num_col_tiles, row_tiles, len_k - len_q, prefix_blocks, BLOCK_M,
-                               CAUSAL, ROTATE)
+                if COUNTED:
+                    rank = later_sweeps(n0 // (2 * ROWS), t, num_col_tiles, ctx, QUERY_TILES, BLOCK_M, CAUSAL, RULES)
+                else:
+                    rank = dq_rank(n0 // (2 * ROWS), t, num_col_tiles, row_tiles, len_k - len_q, BLOCK_M, CAUSAL,
+                                   ROTATE)
                 wait_turn(semaphore, rank, seen)
                 first_write = rank == 0
             for half in gl.static_range(2):
@@ -1298,16 +1324,16 @@ def kernel_options(cfg: GluonBackwardConfig, causal: bool, accumulate: bool, rul
 
 
 def dq_accumulators(path: str, q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, causal: bool, accumulating: bool,
-                    row_tiles: int):
+                    row_tiles: int, segments: bool = False):
     """(dq_sum, semaphores) for `dq_path`'s path: the float32 dQ the dK/dV kernel writes (None for a
     dQ kernel) and, for "ordered", int32 (B * Hq, row_tiles) semaphores for `row_stats` to zero (else
     None). Atomic: the caller's float32 dq itself when accumulating into TMA-compatible strides, else
     zeros. Ordered stores each tile's first contribution, so only the rows that see no key (causal,
-    Nq > Nk) are zeroed."""
+    Nq > Nk) are zeroed; with segment ids, whose tiles no key block may sweep, all of it."""
     if path == "kernel":
         return None, None
     if path == "ordered":
-        dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dq_sum = (torch.zeros if segments else torch.empty)(q.shape, dtype=torch.float32, device=q.device)
         if causal and q.shape[2] > k.shape[2]:
             dq_sum[:, :, : q.shape[2] - k.shape[2]].zero_()
         return dq_sum, torch.empty(q.shape[0] * q.shape[1], row_tiles, dtype=torch.int32, device=q.device)
@@ -1327,6 +1353,10 @@ def tile_config(bits: int, dq_in_dkdv: bool, dim: int) -> GluonBackwardConfig:
 # tokens, causal): segment ids 1.10x, ALiBi 1.03x. Elsewhere this one reads 1.09-1.45x the Triton kernels
 # at d = 64 (packing alone 0.96-1.16x), packing alone 1.22-1.97x at d = 128 (`gluon_backward_faster`).
 TRITON_FASTER_AT_D64 = SEGMENTS.value | ALIBI.value
+# Rules that only narrow a causal key block's sweep to a run of query tiles: the window's left bound, a
+# prefix and segment ids. Under them the dK/dV kernel may form dQ in order, each block's turn at a tile
+# counted from the later blocks that sweep it (`later_sweeps`).
+NARROWING = gl.constexpr(LEFT.value | PREFIX.value | SEGMENTS.value)
 
 
 def dq_in_dkdv_serves(bits: int, causal: bool) -> bool:
@@ -1337,7 +1367,7 @@ def dq_in_dkdv_serves(bits: int, causal: bool) -> bool:
     (d = 128); a causal 4k window 1.14x (d = 128) and 1.17x (d = 64); a causal 1024-key prefix 1.13x
     (d = 128) and 1.06x (d = 64); causal ALiBi 0.98x and causal softcap 0.90x (192 bytes parked), which
     keep the dQ kernel."""
-    return bits == 0 or (bits == ALIBI.value and not causal) or (bits in (LEFT.value, PREFIX.value) and causal)
+    return bits == 0 or (bits == ALIBI.value and not causal) or (causal and not bits & ~NARROWING.value)
 
 
 def faster_than_triton(bits: int, dim: int) -> bool:
@@ -1368,7 +1398,7 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     # semaphores: one per program of row_stats, which zeroes them; the dK/dV kernel uses the first
     # B * Hq * cdiv(Nq, BLOCK_M), one per dQ tile
     dq_sum, semaphores = dq_accumulators(path, q, k, dq, causal, accumulate_into is not None,
-                                         len_q_pad // STATS_ROWS)
+                                         len_q_pad // STATS_ROWS, bool(bits & SEGMENTS.value))
     lse2, delta = row_stats(lse, out, dout, len_q_pad, semaphores, packing)
     scalars = (params.scale * LOG2E, params.scale)
     dkdv_rules, dq_rules = backward_rule_arguments(q, k, params, rules, cfg, packing)
