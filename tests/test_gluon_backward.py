@@ -222,8 +222,8 @@ def test_rule_variants_compile_for_sm90(kind, dim, causal, rules, tmp_path):
                                                  ("SEGMENTS", True, 216), ("NARROWING", True, 216)])
 def test_dkdv_kernel_adds_dq_under_the_rules_that_keep_its_order(dim, rule, causal, parked, tmp_path):
     """ALiBi alone under full attention keeps the plain sweeps and tiles, and a causal window's left bound,
-    a prefix or segment ids shape each key block's sweep for the consumers and the dQ writer alike (`key_block_sweep`
-    under the rules): the dK/dV kernel forms dQ in order as without rules (`dq_in_dkdv_serves`), parking
+    a prefix or segment ids shape each key block's sweep for the consumers and the dQ writer alike
+    (`key_block_sweep` under the rules): the dK/dV kernel forms dQ in order as without rules (`dq_in_dkdv_serves`), parking
     at most the 216 bytes of `test_rule_variants_compile_for_sm90` with ALiBi or segment ids and 72 with a
     window or a prefix (d = 128; 56 without a rule)."""
     bits = getattr(gb, rule, None) or getattr(gf, rule)
