@@ -1363,10 +1363,10 @@ def dq_in_dkdv_serves(bits: int, causal: bool) -> bool:
     """Whether the dK/dV kernel may form dQ (`dq_path`) under `backward_rule_bits` bits: without rules, with
     ALiBi alone under full attention, whose sweeps and tiles are the plain ones, and causal under any mix
     of the rules that only narrow the sweeps (NARROWING; turns counted by `later_sweeps`). H200, bf16, 16k
-    tokens, backward against the dQ kernel: ALiBi full attention 1.12x (d = 128); a causal 4k window
-    1.10-1.14x (d = 128) and 1.17x (d = 64); a causal 1024-key prefix 1.11-1.13x (d = 128) and 1.04-1.06x
-    (d = 64); causal segment ids (log-uniform 128-8192) 1.15x (d = 128); causal ALiBi 0.98x and causal
-    softcap 0.90x (192 bytes parked), which keep the dQ kernel."""
+    tokens, backward against the dQ kernel: ALiBi full attention 1.12x (d = 128); causal, a 4k window
+    1.10x (d = 128) and 1.18x (d = 64), a 1024-key prefix 1.11x and 1.04x, segment ids (log-uniform
+    128-8192) 1.15x (d = 128); causal ALiBi 0.98x and causal softcap 0.90x (192 bytes parked), which keep
+    the dQ kernel."""
     return bits == 0 or (bits == ALIBI.value and not causal) or (causal and not bits & ~NARROWING.value)
 
 
