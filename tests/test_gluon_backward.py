@@ -223,9 +223,9 @@ def test_rule_variants_compile_for_sm90(kind, dim, causal, rules, tmp_path):
 def test_dkdv_kernel_adds_dq_under_the_rules_that_keep_its_order(dim, rule, causal, parked, tmp_path):
     """ALiBi alone under full attention keeps the plain sweeps and tiles, and a causal window's left bound,
     a prefix or segment ids shape each key block's sweep for the consumers and the dQ writer alike
-    (`key_block_sweep` under the rules): the dK/dV kernel forms dQ in order as without rules (`dq_in_dkdv_serves`), parking
-    at most the 216 bytes of `test_rule_variants_compile_for_sm90` with ALiBi or segment ids and 72 with a
-    window or a prefix (d = 128; 56 without a rule)."""
+    (`key_block_sweep` under the rules): the dK/dV kernel forms dQ in order as without rules
+    (`dq_in_dkdv_serves`), parking at most the 216 bytes of `test_rule_variants_compile_for_sm90` with ALiBi
+    or segment ids and 72 with a window or a prefix (d = 128; 56 without a rule)."""
     bits = getattr(gb, rule, None) or getattr(gf, rule)
     bits = bits.value
     cfg = gb.tile_config(bits, True, dim)
@@ -869,7 +869,7 @@ ORDERED_RULES = {"window 1000": dict(window=(1000, 0)), "window 130": dict(windo
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("rule", ORDERED_RULES)
 def test_ordered_dq_under_causal_rules_matches_oracle_and_reruns_bitwise(d, rule, monkeypatch):
-    """Each query tile hears from the key blocks that reach it, from the last down (`dq_rank`): no dQ
+    """Each query tile hears from the key blocks that reach it, from the last down (`later_sweeps`): no dQ
     kernel, gradients within the oracle rule, reruns bitwise equal; Nq > Nk leaves rows that see only
     the prefix."""
     from test_triton_score_rules import document_ids
