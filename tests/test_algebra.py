@@ -1,11 +1,12 @@
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exattn import BlockSummary, finalize, merge, merge_states, summarize
-from exattn.algebra import absorb_, empty_summary, summarize_into_
+from exattn.algebra import absorb_, empty_summary, merge_stacked, summarize_into_
 
 F64 = torch.float64
 
@@ -136,6 +137,27 @@ def test_merge_states_matches_summary_merge_and_keeps_dtype():
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected_out, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_merge_stacked_equals_merging_one_state_after_another(seed):
+    """States stacked along a dim, some empty (lse -inf) and one row empty in all, merge in one reduction to
+    what `merge_states` gives one pair at a time; out keeps its dtype."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(2, 5, 3, 4, generator=g).half()
+    lse = torch.randn(2, 5, 3, generator=g) * 4
+    lse[0, 1:3] = -math.inf
+    lse[1, :, 2] = -math.inf
+    merged, merged_lse = merge_stacked(out, lse, 1)
+    expected, expected_lse = out[:, 0], lse[:, 0]
+    for s in range(1, 5):
+        expected, expected_lse = merge_states(expected, expected_lse, out[:, s], lse[:, s])
+    assert merged.dtype == torch.float16 and merged_lse.dtype == torch.float32
+    torch.testing.assert_close(merged, expected, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(merged_lse, expected_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(merged[1, 2], torch.zeros(4, dtype=torch.float16)) and merged_lse[1, 2] == -math.inf
+    with pytest.raises(ValueError, match="dim"):
+        merge_stacked(out, lse, -1)
 
 
 def test_summarize_accepts_per_row_values():

@@ -5,9 +5,9 @@ with the shared error rule, per sequence. Cache slots past a sequence's length
 (and pages no sequence uses) hold NaN, so reading one would show.
 """
 
-import os
-
+import importlib
 import math
+import os
 
 import pytest
 import torch
@@ -202,6 +202,26 @@ def test_float64_tiled_and_defaults():
     out, lse = exattn.decode(q, k, v, return_lse=True)  # whole cache, auto, splits chosen
     assert_matches_attention("float64", out, lse, q, k, v, lens)
     assert isinstance(exattn.decode(q, k, v, num_splits=3), torch.Tensor)
+
+
+@pytest.mark.parametrize("budget", [1, 3000, 1 << 22])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_tiled_splits_taken_together_match_attention(budget, layout, monkeypatch):
+    """The tiled path folds as many splits into one batch as SPLIT_ELEMENTS allows (one at a time, a few,
+    all), padding the last with masked keys: the same result every way, stale NaN slots and ALiBi's bias
+    included."""
+    monkeypatch.setattr(importlib.import_module("exattn.decode"), "SPLIT_ELEMENTS", budget)
+    q, k, v, lens = make_case(3, 4, 2, 2, 300, 24, torch.float32, seed=9, lengths=[300, 7, 131])
+    slopes = torch.rand(4)
+    caches, table = ((k, v), None) if layout == "contiguous" else (lambda p: (p[:2], p[2]))(paged(k, v, lens, 16))
+    out, lse = exattn.decode(q, *caches, cache_seqlens=lens, block_table=table, num_splits=7, return_lse=True,
+                             backend="tiled", alibi_slopes=slopes)
+    for b, length in enumerate(lens.tolist()):
+        ref_out, ref_lse = attention_ref(q[b:b + 1].double(), k[b:b + 1, :, :length].double(),
+                                         v[b:b + 1, :, :length].double(), causal=True, alibi_slopes=slopes.double(),
+                                         return_lse=True)
+        torch.testing.assert_close(out[b:b + 1].double(), ref_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[b:b + 1].double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -203,6 +203,20 @@ def merge_states(
     return out.to(out_a.dtype), lse
 
 
+def merge_stacked(out: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_states` of the normalized states stacked along `dim` (>= 0, ahead of out's value dim), in one
+    reduction: `m = max lse`, `l = sum exp(lse - m)`, `u = sum exp(lse - m) out`, then `finalize_`.
+    out (..., Dv) in any float dtype and lse in float32 or float64, which the sums take; out comes back in
+    its dtype. States of lse = -inf weigh nothing; all of them give zeros and -inf."""
+    if not 0 <= dim < lse.dim():
+        raise ValueError(f"dim must index lse's {lse.dim()} dims from 0; got {dim}")
+    m = lse.amax(dim)
+    weights = torch.exp(lse - finite_or_zero(m).unsqueeze(dim))
+    u = torch.sum(weights.unsqueeze(-1) * out.to(weights.dtype), dim)
+    merged, lse = finalize_(BlockSummary(m, weights.sum(dim), u))
+    return merged.to(out.dtype), lse
+
+
 def as_summary(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> BlockSummary:
     """A normalized state as a summary: `(m, l, u) = (lse, 1, out)`; empty if lse = -inf."""
     lse = lse.to(dtype)

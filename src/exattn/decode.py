@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Literal, overload
 import torch
 
 from . import errors
-from .algebra import merge_states
+from .algebra import NEG_INF, merge_stacked, merge_states
 from .backends.tiled import tiled_forward
 from .checked_calls import call_signature, known_call, remember
 from .problem import (
@@ -522,33 +522,78 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
     return merge_states(out, lse, torch.zeros_like(out), sink_lse)
 
 
+# Elements one batch of splits may hold in `run_tiled`: scores (B * Hq * Nq a key) or keys and values
+# (B * Hk * (D + Dv) a key), whichever is more, over the keys of the splits taken together
+SPLIT_ELEMENTS = 1 << 22
+
+
 def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tiled_forward` on each split (a mask carries the lengths, the causal rule, the window and
-    ALiBi), merged with `merge_states` in the compute dtype, then the sinks. Syncs once to read
-    the longest length. Validated, it checks lengths and pages on the host first (`check_lengths`);
-    either way it reads them clamped as the kernels do (`clamped`)."""
+    """`tiled_forward` on the splits, as many at once as SPLIT_ELEMENTS allows (folded into the batch, so
+    each is still summarized alone; a mask carries the lengths, the causal rule, the window and ALiBi),
+    each such batch merged by `merge_stacked` and the batches by `merge_states` in the compute dtype, then
+    the sinks. Syncs once to read the longest length. Validated, it checks lengths and pages on the host
+    first (`check_lengths`); either way it reads them clamped as the kernels do (`clamped`)."""
     if problem.validate:
         check_lengths(problem)
     problem = clamped(problem)
     q, lens = problem.q, problem.seqlens
-    batch, heads_q, len_q, _ = q.shape
-    longest = int(lens.max())
+    batch, heads_q, len_q, dim = q.shape
+    heads_k, dim_v = problem.v_cache.shape[1], problem.v_cache.shape[3]
+    shortest, longest = lens.aminmax()
+    shortest, longest = int(shortest), int(longest)
     chunk = split_chunk(longest, max(1, problem.num_splits), problem.page_size)
+    per_key = batch * max(heads_q * len_q, heads_k * (dim + dim_v))
+    together = max(1, SPLIT_ELEMENTS // (per_key * chunk))
     params = AttentionParams(scale=problem.scale, softcap=problem.softcap)
     q_acc = q.to(compute_dtype(q.dtype))
-    out = q_acc.new_zeros(batch, heads_q, len_q, problem.v_cache.shape[3])
+    out = q_acc.new_zeros(batch, heads_q, len_q, dim_v)
     lse = q_acc.new_full((batch, heads_q, len_q), float("-inf"))  # no key yet: merging it changes nothing
-    for lo in range(0, longest, chunk):
-        hi = min(lo + chunk, longest)
-        k, v = split_keys(problem, lo, hi)
-        stale = (torch.arange(lo, hi, device=q.device) >= lens[:, None])[:, None, :, None]
-        k, v = k.masked_fill(stale, 0), v.masked_fill(stale, 0)  # stale slots may hold NaN, which a bias keeps
-        mask = split_mask(problem, lo, hi)
-        out, lse = merge_states(out, lse, *tiled_forward(q_acc, k, v, mask.expand(batch, heads_q, len_q, hi - lo),
-                                                         params))
+    for lo in range(0, longest, together * chunk):
+        hi = min(lo + together * chunk, longest)
+        parts = split_states(problem, q_acc, lo, hi, chunk, hi <= shortest, params)
+        out, lse = merge_states(out, lse, *merge_stacked(*parts, 1))
     if problem.rules is not None and problem.rules.sinks is not None:
         out, lse = add_sinks(out, lse, problem.rules.sinks)
     return out.to(q.dtype), lse
+
+
+def split_states(problem: DecodeProblem, q_acc: torch.Tensor, lo: int, hi: int, chunk: int, in_use: bool,
+                 params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, S, Hq, Nq, Dv), lse (B, S, Hq, Nq)) of keys [lo, hi) cut into S splits of `chunk` keys,
+    the last one padded with masked keys: one `tiled_forward` with the splits folded into the batch.
+    in_use: every sequence holds keys [lo, hi)."""
+    batch, heads_q, len_q, _ = q_acc.shape
+    parts = math.ceil((hi - lo) / chunk)
+    k, v = split_keys(problem, lo, hi)
+    slots = torch.arange(lo, lo + parts * chunk, device=q_acc.device).view(parts, chunk)
+    stale = slots >= problem.seqlens[:, None, None]  # (B, S, chunk): past a length, or padding
+    mask = split_mask(problem, lo, hi).expand(batch, heads_q, len_q, hi - lo)
+    padding = parts * chunk - (hi - lo)
+    if padding:
+        mask = torch.nn.functional.pad(mask, (0, padding), value=False if mask.dtype == torch.bool else NEG_INF)
+    mask_parts = mask.unflatten(3, (parts, chunk)).permute(0, 3, 1, 2, 4).flatten(0, 1)
+    q_parts = q_acc.unsqueeze(1).expand(batch, parts, *q_acc.shape[1:]).flatten(0, 1)
+    k, v = (folded_keys(x, None if in_use and not padding else stale, parts, chunk) for x in (k, v))
+    out, lse = tiled_forward(q_parts, k, v, mask_parts, params)
+    return out.unflatten(0, (batch, parts)), lse.unflatten(0, (batch, parts))
+
+
+def folded_keys(x: torch.Tensor, stale: torch.Tensor | None, parts: int, chunk: int) -> torch.Tensor:
+    """Keys (or values) (B, H, n, D) as (B * S, H, chunk, D), split s of sequence b at b * S + s, the
+    `stale` slots (B, S, chunk) zero (they may hold NaN, which a bias keeps; None: none is). One split
+    without stale slots stays a view."""
+    batch, heads, n, dim = x.shape
+    if parts == 1 and n == chunk:
+        return x if stale is None else x.masked_fill(stale[:, :, None, :, None].flatten(0, 1), 0)
+    whole = n // chunk
+    folded = torch.empty(batch, parts, heads, chunk, dim, dtype=x.dtype, device=x.device)
+    by_split = folded.permute(0, 2, 1, 3, 4)  # (B, H, S, chunk, D), a view
+    by_split[:, :, :whole].copy_(x[:, :, : whole * chunk].unflatten(2, (whole, chunk)))
+    if whole < parts:
+        by_split[:, :, whole, : n - whole * chunk].copy_(x[:, :, whole * chunk:])
+    if stale is not None:
+        folded.masked_fill_(stale[:, :, None, :, None], 0)
+    return folded.flatten(0, 1)
 
 
 def clamped(problem: DecodeProblem) -> DecodeProblem:
