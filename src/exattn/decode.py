@@ -546,12 +546,14 @@ def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     together = max(1, SPLIT_ELEMENTS // (per_key * chunk))
     params = AttentionParams(scale=problem.scale, softcap=problem.softcap)
     q_acc = q.to(compute_dtype(q.dtype))
-    out = q_acc.new_zeros(batch, heads_q, len_q, dim_v)
-    lse = q_acc.new_full((batch, heads_q, len_q), float("-inf"))  # no key yet: merging it changes nothing
+    out = lse = None
     for lo in range(0, longest, together * chunk):
         hi = min(lo + together * chunk, longest)
-        parts = split_states(problem, q_acc, lo, hi, chunk, hi <= shortest, params)
-        out, lse = merge_states(out, lse, *merge_stacked(*parts, 1))
+        merged = merge_stacked(*split_states(problem, q_acc, lo, hi, chunk, hi <= shortest, params), 1)
+        out, lse = merged if out is None else merge_states(out, lse, *merged)
+    if out is None:  # no sequence holds a key
+        out = q_acc.new_zeros(batch, heads_q, len_q, dim_v)
+        lse = q_acc.new_full((batch, heads_q, len_q), NEG_INF)
     if problem.rules is not None and problem.rules.sinks is not None:
         out, lse = add_sinks(out, lse, problem.rules.sinks)
     return out.to(q.dtype), lse
