@@ -531,7 +531,7 @@ def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """`tiled_forward` on the splits, as many at once as SPLIT_ELEMENTS allows (folded into the batch, so
     each is still summarized alone; a mask carries the lengths, the causal rule, the window and ALiBi),
     each such batch merged by `merge_stacked` and the batches by `merge_states` in the compute dtype, then
-    the sinks. Syncs once to read the longest length. Validated, it checks lengths and pages on the host
+    the sinks. Syncs once to read the shortest and longest lengths. Validated, it checks lengths and pages on the host
     first (`check_lengths`); either way it reads them clamped as the kernels do (`clamped`)."""
     if problem.validate:
         check_lengths(problem)
@@ -539,8 +539,7 @@ def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     q, lens = problem.q, problem.seqlens
     batch, heads_q, len_q, dim = q.shape
     heads_k, dim_v = problem.v_cache.shape[1], problem.v_cache.shape[3]
-    shortest, longest = lens.aminmax()
-    shortest, longest = int(shortest), int(longest)
+    shortest, longest = torch.stack(lens.aminmax()).tolist()
     chunk = split_chunk(longest, max(1, problem.num_splits), problem.page_size)
     per_key = batch * max(heads_q * len_q, heads_k * (dim + dim_v))
     together = max(1, SPLIT_ELEMENTS // (per_key * chunk))
