@@ -225,6 +225,20 @@ def test_tiled_splits_taken_together_match_attention(budget, layout, monkeypatch
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lengths", [[0, 0], [0, 5]])
+def test_unvalidated_empty_sequences_give_zeros_and_minus_infinity(backend, lengths):
+    """validate=False lets a length of 0 through (below Nq): that sequence has no key, so zeros and lse -inf;
+    the others are unchanged."""
+    q, k, v, _ = make_case(2, 2, 2, 1, 16, 8, torch.float32, seed=10)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, validate=False, num_splits=3, return_lse=True,
+                             backend=backend)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and bool((lse[0] == -math.inf).all())
+    if lengths[1]:
+        assert_matches_attention(backend, out[1:], lse[1:], q[1:], k[1:], v[1:], lens[1:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_validate_false_gives_the_same(backend):
     q, k, v, lens = make_case(2, 2, 2, 1, 50, 16, torch.float16, seed=8)
     k_pages, v_pages, table = paged(k, v, lens, 16)

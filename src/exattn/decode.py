@@ -540,9 +540,9 @@ def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads_q, len_q, dim = q.shape
     heads_k, dim_v = problem.v_cache.shape[1], problem.v_cache.shape[3]
     shortest, longest = torch.stack(lens.aminmax()).tolist()
-    chunk = split_chunk(longest, max(1, problem.num_splits), problem.page_size)
+    chunk = max(1, split_chunk(longest, max(1, problem.num_splits), problem.page_size))  # 0 keys: no split
     per_key = batch * max(heads_q * len_q, heads_k * (dim + dim_v))
-    together = max(1, SPLIT_ELEMENTS // (per_key * chunk))
+    together = max(1, SPLIT_ELEMENTS // max(1, per_key * chunk))
     params = AttentionParams(scale=problem.scale, softcap=problem.softcap)
     q_acc = q.to(compute_dtype(q.dtype))
     out = lse = None
