@@ -29,7 +29,7 @@ from .tile_io import (
     tile_pointers, tile_source, tile_walk,
 )
 from .tiles import (
-    LOG2E, dropout_keep, masked_scores, query_row_tile, row_slope, score_mods, sequence_prefix, sequence_span,
+    LOG2E, dropout_keep, query_row_tile, row_slope, rule_masked_scores, score_mods, sequence_prefix, sequence_span,
     segment_ids, tile_segments, with_prefix_keys, with_prefix_rows, with_segment_tiles,
 )
 
@@ -106,16 +106,8 @@ def dkdv_segment(
             s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
         s2t, dcap = score_mods(s2t, rows[None, :], cols[:, None], len_q, len_k, mods, HAS_SOFTCAP, HAS_ALIBI)
         if CHECK_BAND or MASK_KIND != 0:
-            if HAS_SEGMENTS:
-                seg_rows = tl.load(mods[4] + rows.to(tl.int64) * mods[5], mask=rows < len_q, other=-1)
-                segs = (seg_rows[None, :], mods[3][:, None])
-            else:
-                segs = (0, 0)
-            s2t = masked_scores(
-                s2t, rows[None, :], cols[:, None], len_q, len_k, left, right, mask_base,
-                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX, segs[0], segs[1],
-                HAS_SEGMENTS,
-            )
+            s2t = rule_masked_scores(s2t, rows, cols, len_q, len_k, left, right, mask_base, mask_strides, mods,
+                                     CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, HAS_PREFIX, HAS_SEGMENTS, True)
         pt = tl.math.exp2(s2t - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
@@ -286,16 +278,8 @@ def dq_segment(
         s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s2, dcap = score_mods(s2, rows[:, None], cols[None, :], len_q, len_k, mods, HAS_SOFTCAP, HAS_ALIBI)
         if CHECK_BAND or MASK_KIND != 0:
-            if HAS_SEGMENTS:
-                seg_cols = tl.load(mods[4] + cols.to(tl.int64) * mods[5], mask=cols < len_k, other=-2)
-                segs = (mods[3][:, None], seg_cols[None, :])
-            else:
-                segs = (0, 0)
-            s2 = masked_scores(
-                s2, rows[:, None], cols[None, :], len_q, len_k, left, right, mask_base,
-                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX, segs[0], segs[1],
-                HAS_SEGMENTS,
-            )
+            s2 = rule_masked_scores(s2, rows, cols, len_q, len_k, left, right, mask_base, mask_strides, mods,
+                                    CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, HAS_PREFIX, HAS_SEGMENTS, False)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:

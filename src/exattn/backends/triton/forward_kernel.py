@@ -19,8 +19,8 @@ from .tile_io import (
     head_slice, load_source_tile, load_tile, slice_offset, store_tile, tile_pointers, tile_source, tile_walk,
 )
 from .tiles import (
-    LOG2E, add_sink, dropout_keep, finalize, masked_scores, query_row_tile, row_slope, score_mods, sequence_prefix,
-    segment_ids, sequence_span, tile_segments, with_prefix_keys, with_segment_tiles,
+    LOG2E, add_sink, dropout_keep, finalize, query_row_tile, row_slope, rule_masked_scores, score_mods,
+    sequence_prefix, segment_ids, sequence_span, tile_segments, with_prefix_keys, with_segment_tiles,
 )
 
 
@@ -46,16 +46,8 @@ def forward_segment(
         if CHECK_BAND or MASK_KIND != 0 or HAS_SOFTCAP or HAS_ALIBI:
             s2, _ = score_mods(qk * scale_log2, rows[:, None], cols[None, :], len_q, len_k, mods, HAS_SOFTCAP,
                                HAS_ALIBI)
-            if HAS_SEGMENTS:
-                seg_cols = tl.load(mods[4] + cols.to(tl.int64) * mods[5], mask=cols < len_k, other=-2)
-                segs = (mods[3][:, None], seg_cols[None, :])
-            else:
-                segs = (0, 0)
-            s2 = masked_scores(
-                s2, rows[:, None], cols[None, :], len_q, len_k, left, right, mask_base,
-                mask_strides, CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX, segs[0], segs[1],
-                HAS_SEGMENTS,
-            )
+            s2 = rule_masked_scores(s2, rows, cols, len_q, len_k, left, right, mask_base, mask_strides, mods,
+                                    CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, HAS_PREFIX, HAS_SEGMENTS, False)
             m_new = tl.maximum(m_i, tl.max(s2, 1))
             # A row with no allowed key so far shifts by 0 but keeps m = -inf, so that its later keys
             # are shifted by their own maximum (a shift of 0 would underflow very negative scores).

@@ -108,7 +108,8 @@ def tanh(x):
 @triton.jit
 def score_mods(s2, rows, cols, len_q, len_k, mods, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Base-2 scores after softcap, then ALiBi (the SPEC's order), and d(capped)/d(raw) = 1 - tanh^2
-    for the backward (1.0 without softcap). mods = (softcap * log2 e, slope * log2 e, prefix)."""
+    for the backward (1.0 without softcap). mods: the kernels' rule values, (softcap * log2 e,
+    slope * log2 e, prefix, the fixed side's segment ids, the streamed side's ids pointer and stride)."""
     softcap2, slope2 = mods[0], mods[1]
     dcap = 1.0
     if HAS_SOFTCAP:
@@ -176,6 +177,32 @@ def masked_scores(
             allowed = allowed & (seg_rows == seg_cols)
         s2 = tl.where(allowed, s2, float("-inf"))
     return s2
+
+
+@triton.jit
+def rule_masked_scores(
+    s2, rows, cols, len_q, len_k, left, right, mask_base, mask_strides, mods,
+    CHECK_BAND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, HAS_SEGMENTS: tl.constexpr, KEYS_FIXED: tl.constexpr,
+):
+    """`masked_scores` of a tile of query positions `rows` by key positions `cols` (1-D each) with the
+    rules in `mods` (`score_mods`): the tile is (rows, cols), or (cols, rows) where the keys are the
+    kernel's fixed side (KEYS_FIXED: the dK/dV kernel). The streamed side's segment ids are loaded here."""
+    if KEYS_FIXED:
+        row_pos, col_pos = rows[None, :], cols[:, None]
+    else:
+        row_pos, col_pos = rows[:, None], cols[None, :]
+    if HAS_SEGMENTS:
+        if KEYS_FIXED:
+            seg_rows = tl.load(mods[4] + rows.to(tl.int64) * mods[5], mask=rows < len_q, other=-1)[None, :]
+            seg_cols = mods[3][:, None]
+        else:
+            seg_rows = mods[3][:, None]
+            seg_cols = tl.load(mods[4] + cols.to(tl.int64) * mods[5], mask=cols < len_k, other=-2)[None, :]
+    else:
+        seg_rows, seg_cols = 0, 0
+    return masked_scores(s2, row_pos, col_pos, len_q, len_k, left, right, mask_base, mask_strides, CHECK_BAND,
+                         HAS_LEFT, HAS_RIGHT, MASK_KIND, mods[2], HAS_PREFIX, seg_rows, seg_cols, HAS_SEGMENTS)
 
 
 @triton.jit
