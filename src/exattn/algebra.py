@@ -143,11 +143,7 @@ def absorb_(
     alpha = exp_(state.m.sub_(shared))
     weights = exp_(scores.sub_(shared[..., None]))
     state.l.mul_(alpha).add_(weights.sum(dim=-1))
-    if numerator_weights is not None:
-        weights.mul_(numerator_weights)
-    numerator = state.u.mul_(alpha[..., None]).view(-1, *state.u.shape[-2:])
-    numerator.baddbmm_(weights.reshape(-1, *weights.shape[-2:]),
-                       values.to(weights.dtype).reshape(-1, *values.shape[-2:]))
+    add_weighted_values_(state.u.mul_(alpha[..., None]), weights, values, numerator_weights)
     state.m.copy_(m)
     return state
 
@@ -162,12 +158,19 @@ def summarize_into_(
     torch.amax(scores, dim=-1, out=state.m)
     weights = exp_(scores.sub_(finite_or_zero(state.m)[..., None]))
     torch.sum(weights, dim=-1, out=state.l)
+    add_weighted_values_(state.u, weights, values, numerator_weights, beta=0.0)
+    return state
+
+
+def add_weighted_values_(numerator: torch.Tensor, weights: torch.Tensor, values: torch.Tensor,
+                         numerator_weights: torch.Tensor | None, beta: float = 1.0) -> None:
+    """numerator = beta * numerator + (weights * numerator_weights) @ values, in place through one batched
+    GEMM (numerator (..., r, Dv) contiguous, weights (..., r, n), overwritten when numerator_weights is given)."""
     if numerator_weights is not None:
         weights.mul_(numerator_weights)
-    state.u.view(-1, *state.u.shape[-2:]).baddbmm_(weights.reshape(-1, *weights.shape[-2:]),
-                                                   values.to(weights.dtype).reshape(-1, *values.shape[-2:]),
-                                                   beta=0.0)
-    return state
+    numerator.view(-1, *numerator.shape[-2:]).baddbmm_(weights.reshape(-1, *weights.shape[-2:]),
+                                                       values.to(weights.dtype).reshape(-1, *values.shape[-2:]),
+                                                       beta=beta)
 
 
 def finalize(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
