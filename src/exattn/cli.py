@@ -97,18 +97,20 @@ def add_memory(sub) -> None:
     p.set_defaults(handler=run_memory, command_parser=p)
 
 
-def tiles_arg(text: str):
-    try:
-        return parse_list("--tiles", text, tile)
-    except ConfigError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+def config_arg(parse):
+    """An argparse type from a parser of text that raises ConfigError (reported as argparse's own error)."""
+    def check(text: str):
+        try:
+            return parse(text)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return check
 
 
-def dtype_arg(text: str) -> str:
-    try:
-        return dtype_name("--dtype", text)
-    except ConfigError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+tiles_arg = config_arg(lambda text: parse_list("--tiles", text, tile))
+
+
+dtype_arg = config_arg(lambda text: dtype_name("--dtype", text))
 
 
 def add_plan(sub) -> None:
@@ -155,12 +157,7 @@ def add_plan(sub) -> None:
 
 def list_arg(flag: str, item):
     """An argparse type: a comma-separated list, each element through `item(flag, text)`."""
-    def check(text: str) -> tuple:
-        try:
-            return parse_list(flag, text, item)
-        except ConfigError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-    return check
+    return config_arg(lambda text: parse_list(flag, text, item))
 
 
 CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}
