@@ -25,6 +25,7 @@ from test_gluon_forward import (
     DTYPES,
     HOPPER_SHARED_BYTES,
     SHAPES,
+    assert_warp_specialized_tma_kernel,
     compile_gluon_for_sm90,
     cpu_inputs,
     forced_heads_per_group,
@@ -146,15 +147,8 @@ def allowed_stack(kind: str, dim: int, causal: bool, dq_mode: str, tma_grads: bo
 
 
 def check_compiled(kernel, kind: str, dim: int, causal: bool, dq_mode: str, tma_grads: bool, tmp_path):
-    usage = resource_usage(kernel, tmp_path)
     stack = allowed_stack(kind, dim, causal, dq_mode, tma_grads)
-    assert usage["LOCAL"] == 0 and usage["STACK"] <= stack, f"register spills: {usage}"
-    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
-    ptx = kernel.asm["ptx"]
-    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no warp specialization"
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx, "dP no longer overlaps the exponentials"
-    assert "cp.async.bulk.tensor.4d" in ptx, "no TMA loads of 4-D boxes"
-    assert "tensormap.replace" not in ptx, "descriptors are made on the host, not per program"
+    ptx = assert_warp_specialized_tma_kernel(kernel, tmp_path, stack, "dP with the exponentials")
     atomics = [a.split()[-1] for a in
                re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red|cp\.reduce)\.\S*", ptx, re.MULTILINE)]
     reduction = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"

@@ -75,6 +75,21 @@ def resource_usage(kernel, tmp_path) -> dict[str, int]:
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", report)}
 
 
+def assert_warp_specialized_tma_kernel(kernel, tmp_path, parked_bytes: int, overlap: str) -> str:
+    """The checks every Gluon prefill kernel passes, returning its PTX: no spills beyond `parked_bytes` of
+    stack, shared memory within Hopper's, warp specialization, the wgmma kept in flight across the
+    exponentials (`overlap` names what overlaps), TMA loads of 4-D boxes and descriptors made on the host."""
+    usage = resource_usage(kernel, tmp_path)
+    assert usage["LOCAL"] == 0 and usage["STACK"] <= parked_bytes, f"register spills: {usage}"
+    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
+    ptx = kernel.asm["ptx"]
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no warp specialization"
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"{overlap} no longer overlaps"
+    assert "cp.async.bulk.tensor.4d" in ptx, "no TMA loads of 4-D boxes"
+    assert "tensormap.replace" not in ptx, "descriptors are made on the host, not per program"
+    return ptx
+
+
 # Other schedules than the shipped ones: (head dim, GluonConfig fields to replace).
 SCHEDULES = [(64, {"consumers": 2, "stages": 4}), (64, {"pingpong": True}), (128, {"pingpong": True}),
              (64, {"consumers": 2, "stages": 4, "persistent": True}), (128, {"persistent": True}),
@@ -96,15 +111,8 @@ def test_compiles_for_sm90_without_spills(dim, causal, dtype, changes, tmp_path,
     schedule = gf.SHORT_CONFIGS[dim] if changes == "short" else gf.CONFIGS[dim]._replace(**changes)
     monkeypatch.setitem(gf.CONFIGS, dim, schedule)
     kernel = compile_for_sm90(dim, causal, dtype)
-    usage = resource_usage(kernel, tmp_path)
     parked = PARKED_BYTES.get((dim, causal, changes if isinstance(changes, str) else None), 0)
-    assert usage["LOCAL"] == 0 and usage["STACK"] <= parked, f"register spills: {usage}"
-    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
-    ptx = kernel.asm["ptx"]
-    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no warp specialization"
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx, "P V no longer overlaps the softmax"
-    assert "cp.async.bulk.tensor.4d" in ptx, "no TMA loads of 4-D boxes"
-    assert "tensormap.replace" not in ptx, "descriptors are made on the host, not per program"
+    ptx = assert_warp_specialized_tma_kernel(kernel, tmp_path, parked, "P V with the softmax")
     short = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
     assert f"cvt.rn.{short}x2.f32" in ptx and f"cvt.rn.{short}.f32" not in ptx, \
         "P and O converted one element at a time (ptxas re-pairs those with a PRMT each: `paired_cast`)"
