@@ -117,6 +117,26 @@ def test_any_tile_size_computes_the_same_function():
         torch.testing.assert_close(out, outs[0], rtol=1e-13, atol=1e-13)
 
 
+
+def test_few_query_rows_take_wide_key_tiles_in_the_forward_only():
+    from exattn.backends.tiled import FEW_ROWS, FEW_ROWS_ELEMENTS, MAX_BLOCK_N, default_blocks
+
+    assert default_blocks(2, 1, 4096) == (16, 4096)  # one key tile: 8192 scores
+    assert default_blocks(128, 1, 16384)[1] == FEW_ROWS_ELEMENTS // 128
+    assert default_blocks(2, FEW_ROWS, 300)[1] == 300
+    assert default_blocks(2, 1, 4096, backward=True)[1] == MAX_BLOCK_N
+    assert default_blocks(2, FEW_ROWS + 1, 4096)[1] == MAX_BLOCK_N
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 3, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 2000, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = exattn.attention(q, k, v, causal=True, backend="tiled")
+    ref = attention_ref(q, k, v, causal=True)
+    assert torch.allclose(out, ref, atol=1e-12)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    ref_grads = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(grads, ref_grads))
+
+
 def test_huge_logits():
     check_backend("tiled", SHAPES["gqa-dv"], torch.float32, "causal", tiles=(16, 16), logit_scale=300.0)
     check_backend("tiled", SHAPES["gqa-dv"], torch.bfloat16, "none", tiles=(16, 16), logit_scale=300.0)

@@ -39,16 +39,24 @@ from ..problem import AttentionParams, ScoreRules, check_accumulators, compute_d
 TILE_ELEMENTS = 1 << 21
 MAX_BLOCK_M = 256
 MAX_BLOCK_N = 512
+# Up to FEW_ROWS query rows (decoding, short chunks) the forward's key tiles grow past MAX_BLOCK_N to
+# FEW_ROWS_ELEMENTS scores (1 MiB of float32): fewer, larger steps that stay in cache. The backward keeps
+# MAX_BLOCK_N (docs/performance.md, "CPU: the tiled backend").
+FEW_ROWS = 16
+FEW_ROWS_ELEMENTS = 1 << 18
 
 
-def default_blocks(batch_heads: int, len_q: int, len_k: int) -> tuple[int, int]:
-    block_n = max(16, min(MAX_BLOCK_N, len_k))
+def default_blocks(batch_heads: int, len_q: int, len_k: int, backward: bool = False) -> tuple[int, int]:
+    widest = MAX_BLOCK_N
+    if len_q <= FEW_ROWS and not backward:
+        widest = max(MAX_BLOCK_N, FEW_ROWS_ELEMENTS // max(1, batch_heads * len_q))
+    block_n = max(16, min(widest, len_k))
     block_m = TILE_ELEMENTS // max(1, batch_heads * block_n)
     return max(16, min(MAX_BLOCK_M, len_q, block_m)), block_n
 
 
-def tile_sizes(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> tuple[int, int]:
-    default_m, default_n = default_blocks(q.shape[0] * q.shape[1], q.shape[2], k.shape[2])
+def tile_sizes(q: torch.Tensor, k: torch.Tensor, params: AttentionParams, backward: bool = False) -> tuple[int, int]:
+    default_m, default_n = default_blocks(q.shape[0] * q.shape[1], q.shape[2], k.shape[2], backward)
     return params.block_m or default_m, params.block_n or default_n
 
 
@@ -136,13 +144,14 @@ class TileContext:
     against an unexpanded K/V tile, and the reductions over G come for free.
     """
 
-    def __init__(self, q, k, mask, params: AttentionParams, rules: ScoreRules | None = None):
+    def __init__(self, q, k, mask, params: AttentionParams, rules: ScoreRules | None = None,
+                 backward: bool = False):
         self.params = params
         self.rules = rules
         self.batch, self.heads_q, self.len_q, _ = q.shape
         self.heads_k, self.len_k = k.shape[1], k.shape[2]
         self.group = self.heads_q // self.heads_k
-        self.block_m, self.block_n = tile_sizes(q, k, params)
+        self.block_m, self.block_n = tile_sizes(q, k, params, backward)
         self.mask = None if mask is None else grouped(mask, self.heads_k)
         self.dtype = compute_dtype(q.dtype)
         self.device = q.device
@@ -310,7 +319,7 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accum
     The sinks' gradient is not here: it needs only lse, dout and out (`masks.sinks_grad`).
     """
     accumulate_into = check_accumulators(accumulate_into, q, k, v)
-    ctx = TileContext(q, k, mask, params, rules)
+    ctx = TileContext(q, k, mask, params, rules, backward=True)
     q5, do5 = grouped(q, ctx.heads_k), grouped(dout, ctx.heads_k)
     delta5 = grouped((dout.to(ctx.dtype) * out.to(ctx.dtype)).sum(-1, keepdim=True), ctx.heads_k)
     # A row with no allowed key has lse = -inf; +inf makes its P = exp(s - inf) = 0.
