@@ -530,9 +530,10 @@ SPLIT_ELEMENTS = 1 << 22
 def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """`tiled_forward` on the splits, as many at once as SPLIT_ELEMENTS allows (folded into the batch, so
     each is still summarized alone; a mask carries the lengths, the causal rule, the window and ALiBi),
-    each such batch merged by `merge_stacked` and the batches by `merge_states` in the compute dtype, then
-    the sinks. Syncs once to read the shortest and longest lengths. Validated, it checks lengths and pages on the host
-    first (`check_lengths`); either way it reads them clamped as the kernels do (`clamped`)."""
+    each such batch of two or more merged by `merge_stacked` and the batches by `merge_states` in the
+    compute dtype, then the sinks. Syncs once to read the shortest and longest lengths. Validated, it
+    checks lengths and pages on the host first (`check_lengths`); either way it reads them clamped as the
+    kernels do (`clamped`)."""
     if problem.validate:
         check_lengths(problem)
     problem = clamped(problem)
@@ -548,7 +549,8 @@ def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     out = lse = None
     for lo in range(0, longest, together * chunk):
         hi = min(lo + together * chunk, longest)
-        merged = merge_stacked(*split_states(problem, q_acc, lo, hi, chunk, hi <= shortest, params), 1)
+        states = split_states(problem, q_acc, lo, hi, chunk, hi <= shortest, params)
+        merged = merge_stacked(*states, 1) if states[1].shape[1] > 1 else (states[0][:, 0], states[1][:, 0])
         out, lse = merged if out is None else merge_states(out, lse, *merged)
     if out is None:  # no sequence holds a key
         out = q_acc.new_zeros(batch, heads_q, len_q, dim_v)
