@@ -31,7 +31,7 @@ import torch
 
 from ..algebra import NEG_INF, BlockSummary, absorb_, exp_, finalize_, merge_, summarize_into_
 from ..dropout import keep_tile
-from ..masks import apply_score_rules, key_intervals, query_range
+from ..masks import apply_score_rules, key_intervals, query_range, softcap_
 from ..problem import AttentionParams, ScoreRules, check_accumulators, compute_dtype
 
 # Elements of one score tile, summed over batch and heads, that the default
@@ -234,24 +234,29 @@ class TileContext:
         softcap_grad: an optional tile of the same shape that receives 1 - tanh^2.
         """
         scores = product_into(self.buffer, q_tile, k_tile.transpose(-1, -2), self.params.scale)
+        if self.params.softcap > 0:  # first, in the contract's order of the rules
+            scratch = self.spare_tile(scores.numel()).view(scores.shape) if softcap_grad is None else softcap_grad
+            softcap_(scores, self.params.softcap, scratch, softcap_grad)
         mask_tile = None
         if self.mask is not None:
             mask_tile = self.mask[..., rows.start:rows.stop, cols.start:cols.stop]
-        grad_tile = None if softcap_grad is None else self.unstack(softcap_grad, rows)
         rules = self.rules
         if self.segments is not None and self.segments.one_id(rows, cols):
             rules = rules._replace(q_segment_ids=None, k_segment_ids=None)
         ruled = apply_score_rules(self.unstack(scores, rows), rows, cols, self.len_q, self.len_k,
-                                  self.params.window, mask_tile, rules, self.params.softcap, grad_tile)
+                                  self.params.window, mask_tile, rules)
         return ruled.reshape(scores.shape)
 
-    def product(self, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """alpha * (a @ b) in a second buffer, at least a score tile's size, reused by every tile (the
-        backward's dP, then its dQ tile)."""
-        size = math.prod(a.shape[:-1]) * b.shape[-1]
+    def spare_tile(self, size: int) -> torch.Tensor:
+        """A second buffer, at least a score tile's size, reused by every tile (the softcap's scratch,
+        the backward's dP, then its dQ tile)."""
         if self.spare is None or self.spare.numel() < size:
             self.spare = torch.empty(max(size, self.buffer.numel()), dtype=self.dtype, device=self.device)
-        return product_into(self.spare, a, b, alpha)
+        return self.spare[:size]
+
+    def product(self, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """alpha * (a @ b) in the spare buffer."""
+        return product_into(self.spare_tile(math.prod(a.shape[:-1]) * b.shape[-1]), a, b, alpha)
 
     def dropout_weights(self, rows: range, cols: range) -> torch.Tensor | None:
         """keep / (1 - p) for the tile, stacked (B, Hk, G * rows, cols); None without dropout."""
