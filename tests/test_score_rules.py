@@ -208,6 +208,24 @@ def test_huge_logits_with_softcap_stay_finite():
                 logit_scale=300.0, causal=True, tiles=(16, 8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_softcap_through_expm1_matches_tanh_and_saturates(dtype):
+    """masks.softcap_ (the tiled backend's tanh): softcap * tanh(s / softcap) and 1 - tanh^2, also at
+    the extremes (its 2x is clamped below expm1's overflow); NaN stays NaN."""
+    from exattn.masks import softcap_
+
+    inf = float("inf")
+    s = torch.cat([torch.tensor([-inf, -1e30, -300.0, -1e-9, 0.0, 1e-9, 300.0, 1e30, inf]), torch.randn(200) * 20])
+    s = s.to(dtype)
+    exact = 5.0 * torch.tanh(s.double() / 5.0)
+    grad = torch.empty_like(s)
+    capped = softcap_(s.clone(), 5.0, torch.empty_like(s), grad)
+    tolerance = 4 * torch.finfo(dtype).eps * 5.0
+    assert (capped.double() - exact).abs().max() <= tolerance
+    assert (grad.double() - (1 - (exact / 5.0) ** 2)).abs().max() <= 4 * tolerance
+    assert torch.isnan(softcap_(torch.tensor([float("nan")], dtype=dtype), 5.0, torch.empty(1, dtype=dtype))).all()
+
+
 def test_sinks_gradcheck_float64():
     gen = torch.Generator().manual_seed(5)
     q, k, v = make_qkv(1, 2, 1, 6, 9, 4, 3, torch.float64, gen)
