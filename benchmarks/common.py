@@ -56,6 +56,18 @@ def interleaved_rounds(names, rounds, measure, describe_failure, samples=None) -
     return samples
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict:
     import exattn
 
@@ -63,7 +75,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "exattn": exattn.__version__,
         "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d"),
     }
