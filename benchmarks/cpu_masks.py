@@ -19,14 +19,13 @@ benchmarks/results/cpu-masks.json.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 
 import torch
 
 import exattn
 from common import environment, interleaved_seconds, write_json
-from cpu_memory import peak_rss_bytes
+from cpu_memory import in_fresh_process, peak_rss_bytes
 from masks import RULES, WINDOW, allowed_pairs, keywords
 
 IMPLS = ("exattn", "exattn mask", "sdpa mask")
@@ -103,13 +102,7 @@ def measure_memory(impl, rule, shape, backward, queue) -> None:
 
 
 def memory_mib(impl, rule, shape, backward) -> float:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=measure_memory, args=(impl, rule, shape, backward, queue))
-    proc.start()
-    result = queue.get()
-    proc.join()
-    return result
+    return in_fresh_process(measure_memory, impl, rule, shape, backward)
 
 
 def rule_rows(rule, shape, repeats) -> list[dict]:

@@ -83,14 +83,19 @@ def run_variant(variant: str, shape: tuple[int, int, int, int], warm: bool, queu
                "transient_mib": growth - sum(kept.values())})
 
 
-def measure(variant: str, shape, warm: bool) -> dict[str, float]:
+def in_fresh_process(target, *args):
+    """What target(*args, queue) puts on its queue, run in a spawned process."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=run_variant, args=(variant, shape, warm, queue))
+    proc = ctx.Process(target=target, args=(*args, queue))
     proc.start()
     result = queue.get()
     proc.join()
     return result
+
+
+def measure(variant: str, shape, warm: bool) -> dict[str, float]:
+    return in_fresh_process(run_variant, variant, shape, warm)
 
 
 def trace_first_calls(shape, queue) -> None:
@@ -118,12 +123,7 @@ def trace_first_calls(shape, queue) -> None:
 
 
 def trace(shape) -> None:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=trace_first_calls, args=(shape, queue))
-    proc.start()
-    added = queue.get()
-    proc.join()
+    added = in_fresh_process(trace_first_calls, shape)
     for name, mib in list(added.items())[:15]:
         print(f"{name:>20}: file-backed {mib['RssFile']:5.1f} MiB, anonymous {mib['RssAnon']:5.1f} MiB")
     print(f"total over {len(added)} operators: file-backed {sum(m['RssFile'] for m in added.values()):.1f} MiB, "
