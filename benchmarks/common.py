@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import time
@@ -86,3 +87,18 @@ def write_json(name: str, payload) -> Path:
     path = RESULTS / name
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def result_rows(path: str) -> list[dict]:
+    """The rows of a results file (each script's `--table FILE`)."""
+    return json.loads(Path(path).read_text())["rows"]
+
+
+def cpu_parser(doc: str) -> argparse.ArgumentParser:
+    """The CPU tables' shared options: shape, rounds and `--table`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--table", metavar="JSON", help="print the docs table of a results file and exit")
+    return parser

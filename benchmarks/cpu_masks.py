@@ -18,13 +18,12 @@ benchmarks/results/cpu-masks.json.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
 import exattn
-from common import environment, interleaved_seconds, write_json
+from common import cpu_parser, environment, interleaved_seconds, result_rows, write_json
 from cpu_memory import in_fresh_process, peak_rss_bytes
 from masks import RULES, WINDOW, allowed_pairs, keywords
 
@@ -147,19 +146,12 @@ def table(rows) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", type=int, default=8)
+    parser = cpu_parser(__doc__)
     parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rules", default=",".join(RULES))
-    parser.add_argument("--table", metavar="JSON", help="print the docs table of a results file and exit")
     args = parser.parse_args()
     if args.table:
-        import json
-        from pathlib import Path
-
-        print(table(json.loads(Path(args.table).read_text())["rows"]))
+        print(table(result_rows(args.table)))
         return
     shape = (1, args.heads, args.seq_len, args.head_dim)
     rows = [row for rule in args.rules.split(",") for row in rule_rows(rule, shape, args.repeats)]

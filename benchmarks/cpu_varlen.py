@@ -15,16 +15,13 @@ moment the inputs exist. Writes benchmarks/results/cpu-varlen.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import exattn
-from common import environment, interleaved_seconds, write_json
+from common import cpu_parser, environment, interleaved_seconds, result_rows, write_json
 from cpu_masks import timed_pass
 from cpu_memory import in_fresh_process, peak_rss_bytes
 from varlen import PACKINGS, document_lengths, useful_flops
@@ -106,15 +103,11 @@ def table(rows) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = cpu_parser(__doc__)
     parser.add_argument("--packings", default=",".join(PACKINGS))
-    parser.add_argument("--table", metavar="JSON", help="print the docs table of a results file and exit")
     args = parser.parse_args()
     if args.table:
-        print(table(json.loads(Path(args.table).read_text())["rows"]))
+        print(table(result_rows(args.table)))
         return
     rows = [row for packing in args.packings.split(",") for causal in (False, True)
             for row in cell_rows(packing, causal, args)]

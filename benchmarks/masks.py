@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import interleaved_rounds  # noqa: E402
+from common import interleaved_rounds, result_rows  # noqa: E402
 from prefill import versions  # noqa: E402
 from varlen import document_lengths  # noqa: E402
 
@@ -179,7 +179,7 @@ def table(rows) -> str:
 def main(argv=None):
     args = parse_args(argv)
     if args.table:
-        print(table(json.loads(Path(args.table).read_text())["rows"]))
+        print(table(result_rows(args.table)))
         return
     rows = []
     for rule in args.rules.split(","):

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import attention_flops, interleaved_rounds, size_label  # noqa: E402
+from common import attention_flops, interleaved_rounds, result_rows, size_label  # noqa: E402
 
 IMPLS = ("exattn-triton", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -281,7 +281,7 @@ def doc_table(rows) -> str:
 def main(argv=None):
     args = parse_args(argv)
     if args.table:
-        print(doc_table(json.loads(Path(args.table).read_text())["rows"]))
+        print(doc_table(result_rows(args.table)))
         return
     impls = args.impls.split(",")
     all_cells = list(cells(args))
