@@ -61,12 +61,10 @@ def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
     try:
         with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+    except OSError:  # no /proc (not Linux)
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def environment() -> dict:
