@@ -56,16 +56,19 @@ def sweep_tile(j, lo, tiles, start, ROTATE: gl.constexpr):
 
 
 @gluon.jit
-def dq_rank(col_tile, t, num_col_tiles, num_row_tiles, offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-            ROTATE: gl.constexpr):
+def dq_rank(col_tile, t, num_col_tiles, num_row_tiles, offset, prefix_blocks, BLOCK_M: gl.constexpr,
+            CAUSAL: gl.constexpr, ROTATE: gl.constexpr):
     """How many key blocks add into query tile t before key block col_tile: the order in which
     their sweeps reach t. Causal (no rotation, Nk <= Nq): later blocks start nearer t, so from the
-    last block that sees t down to block 0. Full, ROTATE (at least one tile per block): cyclically
-    down from the block whose sweep starts at t or last before it. Full, not rotated: every sweep
-    starts at tile 0, and the blocks take turns in launch order (block 0 first)."""
+    last block that sees t (at least the last of the `prefix_blocks` every row sees, whose sweeps
+    start at tile 0) down to block 0; a window's left bound alone only ends that count early, and
+    mixes of narrowing rules leave out the blocks that skip t (`gluon_backward.later_sweeps`). Full,
+    ROTATE (at least one tile per block): cyclically down from the block whose sweep starts at t or
+    last before it. Full, not rotated: every sweep starts at tile 0, and the blocks take turns in
+    launch order (block 0 first)."""
     if CAUSAL:
-        first = gl.minimum(num_col_tiles, gl.cdiv((t + 1) * BLOCK_M + offset, 2 * ROWS)) - 1
-        return first - col_tile
+        reaching = gl.maximum(gl.cdiv((t + 1) * BLOCK_M + offset, 2 * ROWS), prefix_blocks)
+        return gl.minimum(num_col_tiles, reaching) - 1 - col_tile
     elif ROTATE:
         first = gl.minimum(num_col_tiles, gl.cdiv((t + 1) * num_col_tiles, num_row_tiles)) - 1
         return (first - col_tile + num_col_tiles) % num_col_tiles

@@ -343,18 +343,18 @@ def key_block_context(rules, b, h, len_q, len_k, scale_log2, RULES: gl.constexpr
 
 
 @gluon.jit
-def later_sweeps(col_tile, t, num_col_tiles, ctx, QUERY_TILES, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+def later_sweeps(col_tile, last, t, ctx, QUERY_TILES, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
                  RULES: gl.constexpr):
-    """How many key blocks after col_tile sweep query tile t (`query_range`), counted 32 blocks a pass by the
-    writer warp: the rank of col_tile's contribution to t where later blocks reach a tile first."""
+    """How many of the key blocks col_tile + 1 .. last sweep query tile t (`query_range`), counted 32 blocks
+    a pass by the writer warp: the rank of col_tile's contribution to t where later blocks reach a tile
+    first and none after `last` (`dq_rank`'s causal bound) does."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     count = 0
-    for first in range(0, num_col_tiles, 32):
+    for first in range(col_tile + 1, last + 1, 32):
         blocks = first + gl.arange(0, 32, layout=layout)
-        exists = blocks < num_col_tiles
+        exists = blocks <= last
         lo, hi = query_range(gl.where(exists, blocks, 0) * (2 * ROWS), ctx, QUERY_TILES, BLOCK_M, CAUSAL, RULES)
-        later = exists & (blocks > col_tile) & (lo <= t) & (t < hi)
-        count += gl.reduce(later.to(gl.int32), 0, plus)
+        count += gl.reduce((exists & (lo <= t) & (t < hi)).to(gl.int32), 0, plus)
     return count
 
 
@@ -492,8 +492,8 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
                         ROTATE: gl.constexpr, rules, scale_log2, RULES: gl.constexpr):
     """Writer warp (ATOMIC_DQ; idle otherwise): adds each staged dQ tile, both its column halves,
     into the float32 dQ by TMA reductions and frees its slot once they have read it. With SEM, one
-    tile after another in the order of `dq_rank` (`dq_order.py`), or causal under rules that narrow the
-    sweeps (NARROWING) of `later_sweeps`. Its sweep is the consumers' (`key_block_sweep` under the same
+    tile after another in the order of `dq_rank` (`dq_order.py`), with the blocks that skip a tile left
+    out of it (`later_sweeps`) under segment ids or a window's left bound with a prefix. Its sweep is the consumers' (`key_block_sweep` under the same
     rules)."""
     if ATOMIC_DQ:
         dq_smem, dq_desc, dq_bars = dq_parts[3], dq_parts[4], dq_parts[6]
@@ -504,9 +504,13 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
         b, hk, n0, lo, _, tiles, start, _ = key_block_sweep(heads_q, num_col_tiles, heads_per_group, len_q, len_k,
                                                             group, rules, scale_log2, BLOCK_M, CAUSAL, ROTATE, RULES)
         row_tiles = gl.cdiv(len_q, BLOCK_M)
-        COUNTED: gl.constexpr = CAUSAL and (RULES & NARROWING) != 0
-        if COUNTED:
+        COUNTED: gl.constexpr = CAUSAL and ((RULES & SEGMENTS) != 0 or (RULES & LEFT != 0 and RULES & PREFIX != 0))
+        prefix_blocks = 0
+        if COUNTED or RULES & PREFIX:
             ctx, QUERY_TILES = key_block_context(rules, b, hk * group, len_q, len_k, scale_log2, RULES)
+            if RULES & PREFIX:
+                prefix_blocks = gl.cdiv(ctx[PREFIX_KEYS], 2 * ROWS)
+        col_tile = n0 // (2 * ROWS)
         for j in range(group * tiles):
             t = sweep_tile(j, lo, tiles, start, ROTATE)
             head = hk * group + j // tiles
@@ -517,11 +521,10 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
             mbarrier.wait(staged.index(slot), (j // SLOTS) & 1)
             first_write = False
             if ORDERED:
+                rank = dq_rank(col_tile, t, num_col_tiles, row_tiles, len_k - len_q, prefix_blocks, BLOCK_M, CAUSAL,
+                               ROTATE)
                 if COUNTED:
-                    rank = later_sweeps(n0 // (2 * ROWS), t, num_col_tiles, ctx, QUERY_TILES, BLOCK_M, CAUSAL, RULES)
-                else:
-                    rank = dq_rank(n0 // (2 * ROWS), t, num_col_tiles, row_tiles, len_k - len_q, BLOCK_M, CAUSAL,
-                                   ROTATE)
+                    rank = later_sweeps(col_tile, col_tile + rank, t, ctx, QUERY_TILES, BLOCK_M, CAUSAL, RULES)
                 wait_turn(semaphore, rank, seen)
                 first_write = rank == 0
             for half in gl.static_range(2):
@@ -1362,11 +1365,11 @@ NARROWING = gl.constexpr(LEFT.value | PREFIX.value | SEGMENTS.value)
 def dq_in_dkdv_serves(bits: int, causal: bool) -> bool:
     """Whether the dK/dV kernel may form dQ (`dq_path`) under `backward_rule_bits` bits: without rules, with
     ALiBi alone under full attention, whose sweeps and tiles are the plain ones, and causal under any mix
-    of the rules that only narrow the sweeps (NARROWING; turns counted by `later_sweeps`). H200, bf16, 16k
-    tokens, backward against the dQ kernel: ALiBi full attention 1.12x (d = 128); causal, a 4k window
-    1.10x (d = 128) and 1.18x (d = 64), a 1024-key prefix 1.11x and 1.04x, segment ids (log-uniform
-    128-8192) 1.15x (d = 128); causal ALiBi 0.98x and causal softcap 0.90x (192 bytes parked), which keep
-    the dQ kernel."""
+    of the rules that only narrow the sweeps (NARROWING; `dq_rank`, and `later_sweeps` where they mix).
+    H200, bf16, 16k tokens, backward against the dQ kernel: ALiBi full attention 1.12x (d = 128); causal,
+    a 4k window 1.10x (d = 128) and 1.18x (d = 64), a 1024-key prefix 1.11x and 1.04x, segment ids
+    (log-uniform 128-8192) 1.15x (d = 128), each with the ranks counted; causal ALiBi 0.98x and causal
+    softcap 0.90x (192 bytes parked), which keep the dQ kernel."""
     return bits == 0 or (bits == ALIBI.value and not causal) or (causal and not bits & ~NARROWING.value)
 
 
