@@ -493,8 +493,8 @@ def dq_writer_partition(dq_parts, SEM, heads_q, num_col_tiles, heads_per_group, 
     """Writer warp (ATOMIC_DQ; idle otherwise): adds each staged dQ tile, both its column halves,
     into the float32 dQ by TMA reductions and frees its slot once they have read it. With SEM, one
     tile after another in the order of `dq_rank` (`dq_order.py`), with the blocks that skip a tile left
-    out of it (`later_sweeps`) under segment ids or a window's left bound with a prefix. Its sweep is the consumers' (`key_block_sweep` under the same
-    rules)."""
+    out of it (`later_sweeps`) under segment ids or a window's left bound with a prefix. Its sweep is the
+    consumers' (`key_block_sweep` under the same rules)."""
     if ATOMIC_DQ:
         dq_smem, dq_desc, dq_bars = dq_parts[3], dq_parts[4], dq_parts[6]
         staged, free = dq_bars
