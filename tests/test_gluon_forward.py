@@ -151,6 +151,18 @@ def test_rule_variants_compile_for_sm90(dim, causal, rules, schedule, tmp_path):
     ptx = kernel.asm["ptx"]
     assert "setmaxnreg.inc" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
     assert ("tanh.approx.f32" in ptx) == bool(RULE_SETS[rules] & gf.SOFTCAP.value)
+    # ALiBi converts no score's distance by cvt (`int_as_float`): a handful of scalar conversions at most
+    assert len(re.findall(r"cvt\.rn\.f32\.[su]32", ptx)) <= 8
+
+
+def test_int_as_float_is_exact_below_two_to_the_22():
+    """`int_as_float`'s arithmetic, on the host: every int32 |n| < 2^22 added to the bits of 1.5 * 2^23,
+    read as float32, less 1.5 * 2^23, is float(n) exactly; past the range it is not."""
+    n = torch.arange(-(1 << 22), 1 << 22, dtype=torch.int32)
+    as_float = (n + gf.INT_AS_FLOAT.value).view(torch.float32) - 12582912.0
+    assert torch.equal(as_float, n.to(torch.float32))
+    beyond = torch.tensor([(1 << 22) + 1, -(1 << 22) - 1], dtype=torch.int32)
+    assert ((beyond + gf.INT_AS_FLOAT.value).view(torch.float32) - 12582912.0 != beyond.float()).all()
 
 
 def cpu_inputs(dtype=torch.bfloat16, dim=64, heads=(2, 2)):
@@ -498,10 +510,11 @@ def test_supports_packed_batches_and_refuses_sinks_without_keys(monkeypatch):
     assert any("sinks" in r for r in reasons), reasons
 
 
-@pytest.mark.parametrize("dim,refused", [(64, True), (128, False)])
-def test_alibi_positions_beyond_float32_go_elsewhere_at_d64(dim, refused, monkeypatch):
-    """At d = 64 ALiBi's positions are float32 in the kernel (`modified_scores`): past FLOAT_POSITIONS rows
-    or keys it refuses, by name; at the limit, and at d = 128 (an integer distance), it serves."""
+@pytest.mark.parametrize("dim", [64, 128])
+def test_alibi_positions_beyond_float32_go_elsewhere(dim, monkeypatch):
+    """ALiBi's positions and distances reach float32 in the kernels by `int_as_float`, exact below 2^22: past
+    FLOAT_POSITIONS rows or keys (2^22 less two tiles of padding) the Gluon kernels refuse, by name; at the
+    limit they serve."""
     from exattn.problem import ScoreRules
 
     monkeypatch.setattr(gf, "gluon_device_reasons", lambda device: [])
@@ -511,8 +524,6 @@ def test_alibi_positions_beyond_float32_go_elsewhere_at_d64(dim, refused, monkey
     at_limit, beyond = (torch.empty(1, 2, 1, dim, dtype=torch.bfloat16).expand(1, 2, n, dim)  # shapes only
                         for n in (gf.FLOAT_POSITIONS, gf.FLOAT_POSITIONS + 1))
     reasons = [r for r in gf.gluon_supports(q, beyond, beyond, None, params, alibi) if "ALiBi" in r]
-    assert bool(reasons) == refused
-    if refused:
-        assert f"got {gf.FLOAT_POSITIONS + 1}" in reasons[0]
+    assert len(reasons) == 1 and f"got {gf.FLOAT_POSITIONS + 1}" in reasons[0]
     assert not [r for r in gf.gluon_supports(q, at_limit, at_limit, None, params, alibi) if "ALiBi" in r]
     assert not [r for r in gf.gluon_supports(q, beyond, beyond, None, params) if "ALiBi" in r]

@@ -125,7 +125,10 @@ RAGGED_SHORT_DIMS = (64,)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 KEY_TILE: gl.constexpr = gl.constexpr(128)  # keys per tile, every configuration's block_n
-FLOAT_POSITIONS = 1 << 24  # positions float32 holds exactly: ALiBi at d = 64 converts them (`modified_scores`)
+# The longest sequence ALiBi serves: its positions and distances, a tile's padding included, stay within
+# `int_as_float`'s |n| < 2^22
+FLOAT_POSITIONS = (1 << 22) - 2 * 128
+INT_AS_FLOAT: gl.constexpr = gl.constexpr(0x4B400000)  # the bits of 1.5 * 2^23 (12582912.0)
 # Bits of the kernel's RULES: score rules and packing (`rule_bits`). A right bound of the window is CAUSAL.
 LEFT: gl.constexpr = gl.constexpr(1)  # the window's left bound
 SOFTCAP: gl.constexpr = gl.constexpr(2)
@@ -472,13 +475,23 @@ def column_positions(s, tile):
 def modified_scores(s, rows, tile, ctx, p_layout: gl.constexpr, RULES: gl.constexpr):
     """Raw scores s of key tile `tile` after the softcap, then ALiBi (`rule_scores`). At d = 64 (P's
     wgmma is 64 wide) ALiBi's positions convert to float32 once per row and column rather than its
-    distance once per score, which measured faster there (not at d = 128); exact below FLOAT_POSITIONS."""
+    distance once per score, which measured faster there (not at d = 128)."""
     diagonal = rows + (ctx[LEN_K] - ctx[LEN_Q])
     keys = column_positions(s, tile)
     if p_layout.parent.instr_shape[1] == 64:
-        diagonal, keys = diagonal.to(gl.float32), keys.to(gl.float32)
+        diagonal, keys = int_as_float(diagonal), int_as_float(keys)
     s, _ = rule_scores(s, gl.expand_dims(diagonal, 1), gl.expand_dims(keys, 0), ctx, RULES)
     return s
+
+
+@gluon.jit
+def int_as_float(n):
+    """int32 n, |n| < 2^22, as float32 (exact), by adding it to the bits of 1.5 * 2^23 and
+    subtracting that float: an integer and a float add on full-rate pipes, where I2F runs at a quarter of
+    their rate on Hopper, beside exp2's MUFU. Floats pass through."""
+    if n.dtype.is_floating():
+        return n
+    return (n + INT_AS_FLOAT).to(gl.float32, bitcast=True) - 12582912.0
 
 
 @gluon.jit
@@ -493,7 +506,7 @@ def rule_scores(s, diagonal, k_pos, ctx, RULES: gl.constexpr):
         s = ctx[CAP] * capped
         slope_of_cap = 1.0 - capped * capped
     if RULES & ALIBI:
-        s = s - ctx[SLOPE] * gl.abs(diagonal - k_pos).to(gl.float32)
+        s = s - ctx[SLOPE] * gl.abs(int_as_float(diagonal - k_pos))
     return s, slope_of_cap
 
 
@@ -924,8 +937,8 @@ def gluon_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, para
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         reasons.append(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     longest = max(q.shape[2], k.shape[2])
-    if rules is not None and rules.alibi_slopes is not None and q.shape[-1] == 64 and longest > FLOAT_POSITIONS:
-        reasons.append(f"ALiBi at D=64 takes positions in float32, exact up to {FLOAT_POSITIONS} rows and keys; "
+    if rules is not None and rules.alibi_slopes is not None and longest > FLOAT_POSITIONS:
+        reasons.append(f"ALiBi takes positions in float32, exact up to {FLOAT_POSITIONS} rows and keys; "
                        f"got {longest}")
     if k.shape[2] == 0 and rules is not None and rules.sinks is not None:
         reasons.append("no keys: sinks alone are the Triton kernel's")
