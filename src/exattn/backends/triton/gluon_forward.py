@@ -479,7 +479,7 @@ def modified_scores(s, rows, tile, ctx, p_layout: gl.constexpr, RULES: gl.conste
     diagonal = rows + (ctx[LEN_K] - ctx[LEN_Q])
     keys = column_positions(s, tile)
     if p_layout.parent.instr_shape[1] == 64:
-        diagonal, keys = int_as_float(diagonal), int_as_float(keys)
+        diagonal, keys = diagonal.to(gl.float32), keys.to(gl.float32)
     s, _ = rule_scores(s, gl.expand_dims(diagonal, 1), gl.expand_dims(keys, 0), ctx, RULES)
     return s
 
