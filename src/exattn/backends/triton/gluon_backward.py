@@ -1353,8 +1353,9 @@ def tile_config(bits: int, dq_in_dkdv: bool, dim: int) -> GluonBackwardConfig:
 
 
 # Rules with which the Triton backward beats this one at d = 64 unless softcap is on (H200, bf16, 16k
-# tokens, causal): segment ids 1.10x (ALiBi read 1.03x before `int_as_float`, 0.98x with it). Elsewhere this one reads 1.09-1.45x the Triton kernels
-# at d = 64 (packing alone 0.96-1.16x), packing alone 1.22-1.97x at d = 128 (`gluon_backward_faster`).
+# tokens, causal): segment ids 1.10x (ALiBi read 1.03x before `int_as_float`, 0.98x with it). Elsewhere
+# this one reads 1.09-1.45x the Triton kernels at d = 64 (packing alone 0.96-1.16x), packing alone
+# 1.22-1.97x at d = 128 (`gluon_backward_faster`).
 TRITON_FASTER_AT_D64 = SEGMENTS.value
 # Rules that only narrow a causal key block's sweep to a run of query tiles: the window's left bound, a
 # prefix and segment ids. Under them the dK/dV kernel may form dQ in order, each block's turn at a tile
