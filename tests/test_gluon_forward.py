@@ -512,9 +512,9 @@ def test_supports_packed_batches_and_refuses_sinks_without_keys(monkeypatch):
 
 @pytest.mark.parametrize("dim", [64, 128])
 def test_alibi_positions_beyond_float32_go_elsewhere(dim, monkeypatch):
-    """ALiBi's positions and distances reach float32 in the kernels by `int_as_float`, exact below 2^22: past
-    FLOAT_POSITIONS rows or keys (2^22 less two tiles of padding) the Gluon kernels refuse, by name; at the
-    limit they serve."""
+    """ALiBi's distances reach float32 in the Gluon kernels by `int_as_float`, exact below 2^22: past
+    FLOAT_POSITIONS rows or keys (2^22 less two tiles of padding) they refuse, by name, at both head dims; at
+    the limit they serve."""
     from exattn.problem import ScoreRules
 
     monkeypatch.setattr(gf, "gluon_device_reasons", lambda device: [])

@@ -125,8 +125,8 @@ RAGGED_SHORT_DIMS = (64,)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 KEY_TILE: gl.constexpr = gl.constexpr(128)  # keys per tile, every configuration's block_n
-# The longest sequence ALiBi serves: its positions and distances, a tile's padding included, stay within
-# `int_as_float`'s |n| < 2^22
+# The longest sequence the Gluon kernels serve with ALiBi: its distances, a tile's padding included, stay
+# within `int_as_float`'s |n| < 2^22
 FLOAT_POSITIONS = (1 << 22) - 2 * 128
 INT_AS_FLOAT: gl.constexpr = gl.constexpr(0x4B400000)  # the bits of 1.5 * 2^23 (12582912.0)
 # Bits of the kernel's RULES: score rules and packing (`rule_bits`). A right bound of the window is CAUSAL.
