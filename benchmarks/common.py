@@ -92,6 +92,23 @@ def result_rows(path: str) -> list[dict]:
     return json.loads(Path(path).read_text())["rows"]
 
 
+def updated(results: dict, rows: list, meta: dict, cell) -> tuple[list, dict]:
+    """(rows, meta) of `results` with the cells of `rows` (`cell(row)`: a row's cell) replaced by them,
+    their run's meta under "updated" (a list: one entry per update, with its cells)."""
+    measured = {cell(r) for r in rows}
+    merged, placed = [], set()
+    for r in results["rows"]:
+        if cell(r) not in measured:
+            merged.append(r)
+        elif cell(r) not in placed:  # the cell's new rows where its old ones were
+            merged += [x for x in rows if cell(x) == cell(r)]
+            placed.add(cell(r))
+    merged += [x for x in rows if cell(x) not in placed]
+    old = dict(results["meta"])
+    old["updated"] = [*old.get("updated", []), {**meta, "cells": sorted(measured)}]
+    return merged, old
+
+
 def cpu_parser(doc: str) -> argparse.ArgumentParser:
     """The CPU tables' shared options: shape, rounds and `--table`."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])

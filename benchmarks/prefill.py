@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import attention_flops, interleaved_rounds, result_rows, size_label  # noqa: E402
+from common import attention_flops, interleaved_rounds, result_rows, size_label, updated  # noqa: E402
 
 IMPLS = ("exattn-triton", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=12, help="processes that pre-compile in parallel (0: none)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/prefill-h200.json"))
     p.add_argument("--table", help="print the docs/performance.md table of a results file and exit")
+    p.add_argument("--update", action="store_true",
+                   help="replace only the measured cells' rows of an existing --out (its meta lists them)")
     return p.parse_args(argv)
 
 
@@ -290,9 +292,10 @@ def main(argv=None):
     prewarm(jobs, args.workers)
     meta = versions()
     print(json.dumps(meta), flush=True)
-    rows = []
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    earlier = json.loads(out_path.read_text()) if args.update and out_path.exists() else None
+    rows = kept_rows = []
     for cell in all_cells:
         samples = timed_rounds(impls, cell, args)
         for impl in impls:
@@ -301,8 +304,13 @@ def main(argv=None):
             print(f"{impl:15s} {cell['dtype']} d={cell['head_dim']} causal={int(cell['causal'])} "
                   f"N={cell['seqlen']:5d} fwd={row['fwd_tflops'] or 0:6.1f} bwd={row['bwd_tflops'] or 0:6.1f} "
                   f"{row['error'] or ''}", flush=True)
-            out_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(doc_table(rows))
+        kept_rows, kept_meta = (rows, meta) if earlier is None else updated(earlier, rows, meta, cell_of)
+        out_path.write_text(json.dumps({"meta": kept_meta, "rows": kept_rows}, indent=1) + "\n")
+    print(doc_table(kept_rows))
+
+
+def cell_of(row) -> tuple:
+    return row["dtype"], row["head_dim"], row["causal"], row["seqlen"]
 
 
 if __name__ == "__main__":

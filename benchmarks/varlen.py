@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import attention_flops, interleaved_rounds  # noqa: E402
+from common import attention_flops, interleaved_rounds, updated  # noqa: E402
 from prefill import versions  # noqa: E402
 
 TOKENS = 16384
@@ -187,6 +187,10 @@ def cells(args):
                 yield packing, lengths, head_dim, causal
 
 
+def cell_of(row) -> tuple:
+    return row["packing"], row["head_dim"], row["causal"]
+
+
 def table(rows) -> str:
     lines = ["| packing | d | causal | docs | exattn fwd | × padded exattn | × cuDNN padded | × Flex | "
              "exattn bwd | × padded exattn | × cuDNN padded | × Flex | validate=False fwd × padded exattn |",
@@ -236,29 +240,9 @@ def main(argv=None):
                                                   "bwd_tflops", "error")}), flush=True)
     meta = versions()
     if args.update and Path(args.out).exists():
-        rows, meta = updated(json.loads(Path(args.out).read_text()), rows, meta)
+        rows, meta = updated(json.loads(Path(args.out).read_text()), rows, meta, cell_of)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(table(rows))
-
-
-def updated(results: dict, rows: list, meta: dict) -> tuple[list, dict]:
-    """(rows, meta) of `results` with the cells of `rows` replaced by them, their run's meta under
-    "updated" (a list: one entry per update, with its cells)."""
-    def cell(row):
-        return row["packing"], row["head_dim"], row["causal"]
-
-    measured = {cell(r) for r in rows}
-    merged, placed = [], set()
-    for r in results["rows"]:
-        if cell(r) not in measured:
-            merged.append(r)
-        elif cell(r) not in placed:  # the cell's new rows where its old ones were
-            merged += [x for x in rows if cell(x) == cell(r)]
-            placed.add(cell(r))
-    merged += [x for x in rows if cell(x) not in placed]
-    old = dict(results["meta"])
-    old["updated"] = [*old.get("updated", []), {**meta, "cells": sorted(measured)}]
-    return merged, old
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -39,3 +40,20 @@ def test_rounds_interleave_and_rows_keep_the_median(monkeypatch):
     row = prefill.row_for("a", CELL, samples["a"])
     assert row["fwd_ms_rounds"] == [1.0, 3.0, 5.0] and row["fwd_ms"] == 3.0 and row["bwd_ms"] == 3.0
     assert prefill.row_for("bad", CELL, samples["bad"])["fwd_tflops"] is None
+
+
+def test_update_keeps_the_cells_not_measured(monkeypatch, tmp_path):
+    monkeypatch.setattr(prefill, "prewarm", lambda jobs, workers: None)
+    monkeypatch.setattr(prefill, "versions", lambda: {"date": "new"})
+    monkeypatch.setattr(prefill, "measure", lambda impl, cell, warmup_ms, rep_ms: (2.0, 4.0))
+    out = tmp_path / "prefill.json"
+    common = ["--impls", "sdpa-cudnn", "--dtypes", "bf16", "--head-dims", "64", "--causal", "1", "--rounds", "1",
+              "--out", str(out)]
+    prefill.main([*common, "--seqlens", "512,1024"])
+    before = {row["seqlen"]: row["fwd_ms"] for row in json.loads(out.read_text())["rows"]}
+    monkeypatch.setattr(prefill, "measure", lambda impl, cell, warmup_ms, rep_ms: (1.0, 3.0))
+    prefill.main([*common, "--seqlens", "1024", "--update"])
+    results = json.loads(out.read_text())
+    assert before == {512: 2.0, 1024: 2.0}
+    assert {row["seqlen"]: row["fwd_ms"] for row in results["rows"]} == {512: 2.0, 1024: 1.0}
+    assert results["meta"]["updated"] == [{"date": "new", "cells": [["bf16", 64, True, 1024]]}]

@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import varlen  # noqa: E402
+from common import updated  # noqa: E402
 
 
 @pytest.mark.parametrize("packing", list(varlen.PACKINGS))
@@ -44,7 +45,8 @@ def test_update_replaces_only_the_measured_cells_in_place():
 
     results = {"meta": {"date": "old"}, "rows": [row("equal", 64, "a", 1.0), row("equal", 64, "b", 2.0),
                                                  row("short", 64, "a", 3.0), row("short", 128, "a", 4.0)]}
-    rows, meta = varlen.updated(results, [row("short", 64, "a", 30.0), row("short", 64, "b", 31.0)], {"date": "new"})
+    new_rows = [row("short", 64, "a", 30.0), row("short", 64, "b", 31.0)]
+    rows, meta = updated(results, new_rows, {"date": "new"}, varlen.cell_of)
     assert [(r["packing"], r["head_dim"], r["impl"], r["fwd_tflops"]) for r in rows] == [
         ("equal", 64, "a", 1.0), ("equal", 64, "b", 2.0), ("short", 64, "a", 30.0), ("short", 64, "b", 31.0),
         ("short", 128, "a", 4.0)]

@@ -830,7 +830,8 @@ def gluon_forward_kernel(
     dtype: gl.constexpr = q_desc.dtype
     D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    gl.static_assert(BLOCK_N == KEY_TILE, "key tiles of KEY_TILE rows (`needs_mask`, `segment_tables`)")
+    gl.static_assert((BLOCK_N == KEY_TILE) | ((RULES & (PREFIX | SEGMENTS)) == 0),
+                     "a prefix and segment ids take key tiles of KEY_TILE rows (`needs_mask`, `segment_tables`)")
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
 
