@@ -118,13 +118,14 @@ SHORT_CONFIGS = {64: GluonConfig(128, 3, one_key_loop=True, persistent=True, per
                  128: GluonConfig(128, 2, one_key_loop=True, persistent=True, persistent_causal=True)}
 SHORT_MEAN_KEYS = 1024
 # Packed sequences of unequal lengths (`forward_config`'s ragged), H200, bf16, 16k tokens of 39 documents
-# of 64-1024 tokens: the short schedule read 1.38x CONFIGS causal and 1.01x full at d = 64, steady over
-# three rounds; at d = 128 its causal rounds spread over 0.18-0.41 ms (CONFIGS: 0.21-0.39 ms in the same
-# kind of run), not resolved, so ragged batches keep CONFIGS there.
-RAGGED_SHORT_DIMS = (64,)
+# of 64-1024 tokens, forward ms in three rounds against CONFIGS: the short schedule read 1.38x causal and
+# 1.01x full at d = 64; at d = 128 with 64-key tiles (a warpgroup's last tile then ends at most 63 keys
+# past its diagonal) 0.170 against 0.209-0.210 causal (1.23x; 128-key tiles 0.177-0.179) and 0.279-0.281
+# against 0.285-0.287 full. Dense short problems keep 128-key tiles: 64 read 0.85-1.03x there.
+RAGGED_SHORT_CONFIGS = {64: SHORT_CONFIGS[64], 128: SHORT_CONFIGS[128]._replace(block_n=64)}
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
-KEY_TILE: gl.constexpr = gl.constexpr(128)  # keys per tile, every configuration's block_n
+KEY_TILE: gl.constexpr = gl.constexpr(128)  # keys per tile wherever a prefix or segment ids are in use
 # The longest sequence the Gluon kernels serve with ALiBi: its distances, a tile's padding included, stay
 # within `int_as_float`'s |n| < 2^22
 FLOAT_POSITIONS = (1 << 22) - 2 * 128
@@ -1000,12 +1001,13 @@ def launch_config(q: torch.Tensor, k: torch.Tensor, causal: bool, rules: int, pa
 def forward_config(dim: int, len_q: int, len_k: int, causal: bool, rules: int, ragged: bool = False) -> GluonConfig:
     """The kernel's schedule: SHORT_CONFIGS[dim] for a problem without score rules (packing aside: the
     lengths are then the longest sequence's) whose rows see at most SHORT_MEAN_KEYS keys on average,
-    else CONFIGS[dim]. ragged: packed sequences of unequal lengths, which take the short schedule only
-    at the head dims of RAGGED_SHORT_DIMS (equal ones are the dense problem)."""
-    if rules & ~VARLEN.value or dim not in SHORT_CONFIGS or (ragged and dim not in RAGGED_SHORT_DIMS):
+    else CONFIGS[dim]. ragged: packed sequences of unequal lengths, whose short schedule is
+    RAGGED_SHORT_CONFIGS[dim] (equal ones are the dense problem)."""
+    short = RAGGED_SHORT_CONFIGS if ragged else SHORT_CONFIGS
+    if rules & ~VARLEN.value or dim not in short:
         return CONFIGS[dim]
     mean_keys = len_k - len_q // 2 if causal else len_k
-    return SHORT_CONFIGS[dim] if mean_keys <= SHORT_MEAN_KEYS else CONFIGS[dim]
+    return short[dim] if mean_keys <= SHORT_MEAN_KEYS else CONFIGS[dim]
 
 
 def rule_bits(params: AttentionParams, rules, packing) -> int:
