@@ -135,11 +135,11 @@ RULE_SETS = {"window softcap alibi sinks": 15, "prefix segments": 48, "every rul
              "packed with rules": 79}
 
 
-SCHEDULE_TABLES = {"long": gf.CONFIGS, "short": gf.SHORT_CONFIGS, "ragged short": gf.RAGGED_SHORT_CONFIGS}
+SCHEDULE_TABLES = {"long": gf.CONFIGS, "short": gf.SHORT_CONFIGS}
 
 
 @pytest.mark.parametrize("rules,schedule", [(rules, "long") for rules in RULE_SETS]
-                         + [("packed", "short"), ("packed", "ragged short")])
+                         + [("packed", "short")])
 @pytest.mark.parametrize("dim,causal", [(64, True), (128, True), (128, False)])
 def test_rule_variants_compile_for_sm90(dim, causal, rules, schedule, tmp_path):
     """The score rules and packing keep the kernel's design; spills stay small (the d = 64 kernel's three
@@ -294,9 +294,7 @@ def test_short_problems_take_the_short_schedule():
     assert gf.forward_config(64, 512, 512, False, gf.VARLEN.value | gf.ALIBI.value) is long
     assert gf.forward_config(64, 512, 512, True, gf.VARLEN.value, ragged=True) is short
     assert gf.forward_config(128, 512, 512, True, gf.VARLEN.value) is gf.SHORT_CONFIGS[128]
-    assert gf.forward_config(128, 512, 512, True, gf.VARLEN.value, ragged=True) is gf.RAGGED_SHORT_CONFIGS[128]
-    assert gf.forward_config(128, 4096, 4096, True, gf.VARLEN.value, ragged=True) is gf.CONFIGS[128]
-    assert gf.RAGGED_SHORT_CONFIGS[128].block_n == 64 and gf.SHORT_CONFIGS[128].block_n == 128
+    assert gf.forward_config(128, 512, 512, True, gf.VARLEN.value, ragged=True) is gf.CONFIGS[128]
     assert gf.forward_config(128, 2048, 2048, True, 0) is gf.SHORT_CONFIGS[128]
     assert gf.forward_config(128, 4096, 4096, True, 0) is gf.CONFIGS[128]
     for cfg in gf.SHORT_CONFIGS.values():
@@ -313,7 +311,7 @@ def test_packed_problems_of_equal_lengths_take_the_dense_schedule():
     packing = Packing(cu, cu, 512, 512)
     assert gf.launch_config(equal, equal, True, gf.VARLEN.value, packing) is gf.SHORT_CONFIGS[128]
     ragged = Packing(cu, cu, 600, 512)
-    assert gf.launch_config(equal, equal, True, gf.VARLEN.value, ragged) is gf.RAGGED_SHORT_CONFIGS[128]
+    assert gf.launch_config(equal, equal, True, gf.VARLEN.value, ragged) is gf.CONFIGS[128]
     assert gf.launch_config(equal[:, :, :64], equal[:, :, :64], True, gf.VARLEN.value, ragged) is gf.RAGGED_SHORT_CONFIGS[64]
     dense = torch.empty(4, 4, 512, 128)
     assert gf.launch_config(dense, dense, True, 0, None) is gf.SHORT_CONFIGS[128]
