@@ -93,7 +93,8 @@ def assert_warp_specialized_tma_kernel(kernel, tmp_path, parked_bytes: int, over
 # Other schedules than the shipped ones: (head dim, GluonConfig fields to replace).
 SCHEDULES = [(64, {"consumers": 2, "stages": 4}), (64, {"pingpong": True}), (128, {"pingpong": True}),
              (64, {"consumers": 2, "stages": 4, "persistent": True}), (128, {"persistent": True}),
-             (64, {"one_key_loop": False}), (128, {"one_key_loop": True})]
+             (64, {"one_key_loop": False}), (128, {"one_key_loop": True}), (64, {"block_n": 64}),
+             (128, {"block_n": 64, "one_key_loop": True})]
 
 
 # Stack bytes ptxas may park for a schedule, measured faster than its spill-free form: the short d = 128
@@ -135,16 +136,12 @@ RULE_SETS = {"window softcap alibi sinks": 15, "prefix segments": 48, "every rul
              "packed with rules": 79}
 
 
-SCHEDULE_TABLES = {"long": gf.CONFIGS, "short": gf.SHORT_CONFIGS}
-
-
-@pytest.mark.parametrize("rules,schedule", [(rules, "long") for rules in RULE_SETS]
-                         + [("packed", "short")])
+@pytest.mark.parametrize("rules,schedule", [(rules, "long") for rules in RULE_SETS] + [("packed", "short")])
 @pytest.mark.parametrize("dim,causal", [(64, True), (128, True), (128, False)])
 def test_rule_variants_compile_for_sm90(dim, causal, rules, schedule, tmp_path):
     """The score rules and packing keep the kernel's design; spills stay small (the d = 64 kernel's three
     consumer warpgroups have 160 registers each). Packing alone also takes the short schedules."""
-    cfg = SCHEDULE_TABLES[schedule][dim]
+    cfg = gf.SHORT_CONFIGS[dim] if schedule == "short" else gf.CONFIGS[dim]
     q, k, v = (torch.empty(2, heads, 300, dim, dtype=torch.bfloat16) for heads in (4, 2, 2))
     args, _ = gf.forward_arguments(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), 0.5, causal, programs=4,
                                    rule_tensors=rule_placeholders(), cfg=cfg)
@@ -312,7 +309,8 @@ def test_packed_problems_of_equal_lengths_take_the_dense_schedule():
     assert gf.launch_config(equal, equal, True, gf.VARLEN.value, packing) is gf.SHORT_CONFIGS[128]
     ragged = Packing(cu, cu, 600, 512)
     assert gf.launch_config(equal, equal, True, gf.VARLEN.value, ragged) is gf.CONFIGS[128]
-    assert gf.launch_config(equal[:, :, :64], equal[:, :, :64], True, gf.VARLEN.value, ragged) is gf.RAGGED_SHORT_CONFIGS[64]
+    narrow = equal[:, :, :64]
+    assert gf.launch_config(narrow, narrow, True, gf.VARLEN.value, ragged) is gf.RAGGED_SHORT_CONFIGS[64]
     dense = torch.empty(4, 4, 512, 128)
     assert gf.launch_config(dense, dense, True, 0, None) is gf.SHORT_CONFIGS[128]
     assert gf.launch_config(dense, torch.empty(4, 4, 4096, 128), True, 0, None) is gf.CONFIGS[128]
