@@ -294,7 +294,7 @@ def main(argv=None):
     print(json.dumps(meta), flush=True)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    earlier = json.loads(out_path.read_text()) if args.update and out_path.exists() else None
+    existing = json.loads(out_path.read_text()) if args.update and out_path.exists() else None
     rows = kept_rows = []
     for cell in all_cells:
         samples = timed_rounds(impls, cell, args)
@@ -304,7 +304,7 @@ def main(argv=None):
             print(f"{impl:15s} {cell['dtype']} d={cell['head_dim']} causal={int(cell['causal'])} "
                   f"N={cell['seqlen']:5d} fwd={row['fwd_tflops'] or 0:6.1f} bwd={row['bwd_tflops'] or 0:6.1f} "
                   f"{row['error'] or ''}", flush=True)
-        kept_rows, kept_meta = (rows, meta) if earlier is None else updated(earlier, rows, meta, cell_of)
+        kept_rows, kept_meta = (rows, meta) if existing is None else updated(existing, rows, meta, cell_of)
         out_path.write_text(json.dumps({"meta": kept_meta, "rows": kept_rows}, indent=1) + "\n")
     print(doc_table(kept_rows))
 
