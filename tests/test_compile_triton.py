@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 
 import pytest
 import torch
@@ -92,6 +93,24 @@ def test_varlen_compiles_to_the_triton_varlen_ops(launches):
     ours = outputs_and_grads(torch.compile(fn, backend=record, fullgraph=True), leaves)
     assert exattn_ops(graphs) == ["exattn.triton_varlen_forward.default"]
     assert [p is not None for p in launches["forward"] + launches["backward"]] == [True, True]
+    assert_same(GRAD_NAMES, ours, outputs_and_grads(fn, leaves))
+
+
+@pytest.mark.parametrize("problem", ["dense", "varlen"])
+def test_dynamic_shapes_reach_the_ops_and_dynamo_traces_no_cache(problem, monkeypatch):
+    """The support checks run at trace time, untraced (Dynamo warns about a cache wrapper it traces), and
+    their head dims stay out of them, so symbolic sizes (dynamic=True) compile to the same ops."""
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set(), raising=False)
+    if problem == "dense":
+        fn, leaves, op = causal_sinks_softcap, dense_inputs(torch.float32), "exattn.triton_forward.default"
+    else:
+        (fn, leaves), op = varlen_problem("triton", block_m=16, block_n=16), "exattn.triton_varlen_forward.default"
+    record, graphs = recording()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = outputs_and_grads(torch.compile(fn, backend=record, fullgraph=True, dynamic=True), leaves)
+    assert [str(w.message) for w in caught if "Dynamo" in str(w.message)] == []
+    assert exattn_ops(graphs) == [op]
     assert_same(GRAD_NAMES, ours, outputs_and_grads(fn, leaves))
 
 

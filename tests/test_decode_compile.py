@@ -1,6 +1,6 @@
 """`torch.compile(fullgraph=True)` over `exattn.decode`: the Triton kernels run as the opaque custom op
-`exattn::decode_triton`. CPU: the aot_eager backend, kernels in the interpreter. GPU (-m gpu): inductor,
-and mode="reduce-overhead" (CUDA graphs)."""
+`exattn::decode_triton`, the tiled path as `exattn::decode_tiled`. CPU: the aot_eager backend, kernels in
+the interpreter. GPU (-m gpu): inductor, and mode="reduce-overhead" (CUDA graphs)."""
 
 import os
 
@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
 import exattn
 from exattn import errors
 from exattn.backends.triton import decode_kernel, replay
-from exattn.decode import decode_triton_op, make_decode_problem, triton_op_args
+from exattn.decode import DECODE_OPS, decode_op_args, make_decode_problem
+from test_compile import exattn_ops, recording
 from test_decode import DEVICE, assert_matches_attention, make_case, paged
 
 
@@ -27,14 +28,18 @@ def fresh_dynamo():
         state.rung.value = 0
 
 
-def step(q, k, v, lens, table, sinks, slopes):
+def step(q, k, v, lens, table, sinks, slopes, backend="triton"):
     """One decode step with every rule, as a model would write it."""
-    return exattn.decode(q, k, v, cache_seqlens=lens, block_table=table, backend="triton", return_lse=True,
+    return exattn.decode(q, k, v, cache_seqlens=lens, block_table=table, backend=backend, return_lse=True,
                          window=(21, 0), softcap=6.0, sinks=sinks, alibi_slopes=slopes, num_splits=3)
 
 
-def plain_step(q, k, v, lens):
-    return exattn.decode(q, k, v, cache_seqlens=lens, backend="triton", return_lse=True)
+def tiled_step(*inputs):
+    return step(*inputs, backend="tiled")
+
+
+def plain_step(q, k, v, lens, backend="triton"):
+    return exattn.decode(q, k, v, cache_seqlens=lens, backend=backend, return_lse=True)
 
 
 def case(layout: str):
@@ -59,18 +64,14 @@ on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors throu
 
 
 @on_cpu
+@pytest.mark.parametrize("dynamic", (False, True), ids=("static", "dynamic"))
 @pytest.mark.parametrize("layout", ("contiguous", "paged"))
-def test_fullgraph_aot_eager_runs_the_kernels_and_matches_eager(layout, monkeypatch):
+def test_fullgraph_aot_eager_runs_the_kernels_and_matches_eager(layout, dynamic, monkeypatch):
     inputs = case(layout)
     runs = count_kernel_runs(monkeypatch)
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
-
-    compiled_out, compiled_lse = torch.compile(step, fullgraph=True, backend=record)(*inputs)
-    assert len(graphs) == 1 and torch.ops.exattn.decode_triton.default in [n.target for n in graphs[0].graph.nodes]
+    record, graphs = recording()
+    compiled_out, compiled_lse = torch.compile(step, fullgraph=True, backend=record, dynamic=dynamic)(*inputs)
+    assert len(graphs) == 1 and exattn_ops(graphs) == ["exattn.decode_triton.default"]
     assert len(runs) == 1, "the compiled call did not run the Triton decode kernels"
     out, lse = step(*inputs)
     assert len(runs) == 2
@@ -91,11 +92,31 @@ def test_compiled_validated_calls_record_bad_lengths():
         exattn.check_errors()
 
 
-def test_the_custom_op_passes_opcheck():
+@pytest.mark.parametrize("dynamic", (False, True), ids=("static", "dynamic"))
+@pytest.mark.parametrize("layout", ("contiguous", "paged"))
+def test_fullgraph_tiled_path_runs_its_op_and_matches_eager(layout, dynamic):
+    inputs = case(layout)
+    record, graphs = recording()
+    compiled_out, compiled_lse = torch.compile(tiled_step, fullgraph=True, backend=record, dynamic=dynamic)(*inputs)
+    assert exattn_ops(graphs) == ["exattn.decode_tiled.default"]
+    out, lse = tiled_step(*inputs)
+    assert torch.equal(compiled_out, out) and torch.equal(compiled_lse, lse)
+
+
+def test_compiled_tiled_calls_check_the_lengths():
+    q, k, v, lens, *_ = case("contiguous")
+    compiled = torch.compile(lambda *args: plain_step(*args, backend="tiled"), fullgraph=True, backend="aot_eager")
+    compiled(q, k, v, lens)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 61 is beyond the cache"):
+        compiled(q, k, v, torch.tensor([60, 61], dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", sorted(DECODE_OPS))
+def test_the_custom_ops_pass_opcheck(backend):
     q, k, v, lens, table, sinks, slopes = case("paged")
     problem = make_decode_problem(q, k, v, lens, table, None, 2, True, window=(9, 0), softcap=3.0,
                                   alibi_slopes=slopes, sinks=sinks)
-    torch.library.opcheck(decode_triton_op, triton_op_args(problem),
+    torch.library.opcheck(DECODE_OPS[backend], decode_op_args(problem),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 

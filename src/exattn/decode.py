@@ -12,8 +12,8 @@ the `L = cache_seqlens[b]` valid keys; for Nq = 3, L = 6 (`x` = allowed):
 
 Backends: "triton" (the split and combine kernels of
 `backends/triton/decode_kernel.py`, CUDA), "tiled" (`tiled_forward` per split,
-any device), "auto" (triton on CUDA, else tiled). Under `torch.compile` the Triton
-path runs as the opaque custom op `exattn::decode_triton` (`decode_triton_op`).
+any device), "auto" (triton on CUDA, else tiled). Under `torch.compile` each path
+runs as an opaque custom op, `exattn::decode_triton` or `exattn::decode_tiled` (`DECODE_OPS`).
 
 Validation: the Triton path checks lengths and page ids in its kernels and reports
 through `exattn.errors` (no device sync); the tiled path reads them on the host.
@@ -288,22 +288,10 @@ def triton_reasons(problem: DecodeProblem) -> list[str]:
     The device, dtype and head-dim rules are those of the Triton backend; every score rule
     `decode` takes runs in the kernels.
     """
+    from .backends.triton import kernel_reasons, size_reasons
+
     q = problem.q
-    return list(kernel_reasons(q.device, q.dtype, max(q.shape[3], problem.v_cache.shape[3])))
-
-
-@torch.compiler.assume_constant_result  # under torch.compile: decided once, at trace time
-def kernel_reasons(device: torch.device, dtype: torch.dtype, widest: int) -> tuple[str, ...]:
-    from .backends.triton import MAX_HEAD_DIM, SUPPORTED_DTYPES, device_reasons, triton_importable
-
-    if not triton_importable():
-        return ("triton is not installed",)
-    reasons = device_reasons(device)
-    if dtype not in SUPPORTED_DTYPES:
-        reasons.append(f"dtype {dtype} computes on the tiled backend")
-    if widest > MAX_HEAD_DIM:
-        reasons.append(f"head dim {widest} > {MAX_HEAD_DIM}")
-    return tuple(reasons)
+    return list(kernel_reasons(q.device, q.dtype, None, ())) + size_reasons(q.shape[3], problem.v_cache.shape[3])
 
 
 def choose_decode_backend(problem: DecodeProblem, backend: object) -> str:
@@ -413,11 +401,11 @@ def run_triton(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon split kernel where the plan marks the launch and it serves the inputs, else the
     Triton kernels. Validated: first raises what earlier calls' kernels recorded
     (`errors.raise_recorded`: a host read, no sync), then the kernels check this call's inputs."""
-    return run_triton_op(*triton_op_args(problem))
+    return run_triton_op(*decode_op_args(problem))
 
 
 def run_triton_op(*op_args) -> tuple[torch.Tensor, torch.Tensor]:
-    """`run_triton` for the arguments of `triton_op_args`."""
+    """`run_triton` for the arguments of `decode_op_args`."""
     raise_recorded(op_args[0], op_args[-1])
     return launch_triton(*op_args)
 
@@ -446,7 +434,7 @@ def run_kept(signature, known, q, k_cache, v_cache, cache_seqlens, block_table, 
 
 
 def launch_triton(*op_args) -> tuple[torch.Tensor, torch.Tensor]:
-    """`run_triton`'s launches for the arguments of `triton_op_args`, replayed for a signature seen
+    """`run_triton`'s launches for the arguments of `decode_op_args`, replayed for a signature seen
     before (`backends/triton/replay.py`)."""
     return replayed_plan_and_launch()(*op_args)
 
@@ -610,22 +598,31 @@ def clamped(problem: DecodeProblem) -> DecodeProblem:
 
 # ---------------------------------------------------------------- torch.compile
 
-@torch.library.custom_op("exattn::decode_triton", mutates_args=())
-def decode_triton_op(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
-    block_table: torch.Tensor | None, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
-    scale: float, num_splits: int, window_left: int, softcap: float, validate: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`run_triton` as one opaque op for `torch.compile` (no backward: decoding has none): out
-    (B, Hq, Nq, Dv) in q's dtype, lse (B, Hq, Nq) float32. The arguments are a validated
-    `DecodeProblem`'s (`triton_op_args`)."""
-    return run_triton_op(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale, num_splits, window_left,
-                         softcap, validate)
+def define_decode_op(backend: str, run):
+    """`exattn::decode_<backend>`: `run` over a validated `DecodeProblem`'s arguments (`decode_op_args`) as
+    one opaque op for `torch.compile` (no backward: decoding has none), returning out (B, Hq, Nq, Dv) in
+    q's dtype and lse (B, Hq, Nq) float32."""
+
+    def impl(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
+        block_table: torch.Tensor | None, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+        scale: float, num_splits: int, window_left: int, softcap: float, validate: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return run(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale, num_splits, window_left,
+                   softcap, validate)
+
+    op = torch.library.custom_op(f"exattn::decode_{backend}", impl, mutates_args=())
+
+    @op.register_fake
+    def _(q, k_cache, v_cache, *args):
+        return q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    return op
 
 
 def problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale, num_splits,
                          window_left, softcap, validate) -> DecodeProblem:
-    """The `DecodeProblem` of `triton_op_args`' arguments."""
+    """The `DecodeProblem` of `decode_op_args`' arguments."""
     rules = ScoreRules(alibi_slopes=alibi_slopes, sinks=sinks)
     return DecodeProblem(
         q=q, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens, block_table=block_table, scale=scale,
@@ -634,15 +631,19 @@ def problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes
     )
 
 
-@decode_triton_op.register_fake
-def _(q, k_cache, v_cache, *args):
-    return q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-def triton_op_args(problem: DecodeProblem) -> tuple:
+def decode_op_args(problem: DecodeProblem) -> tuple:
     rules = problem.rules or ScoreRules()
     return (problem.q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table, rules.alibi_slopes,
             rules.sinks, problem.scale, problem.num_splits, problem.window_left, problem.softcap, problem.validate)
+
+
+def run_tiled_op(*op_args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`run_tiled` for the arguments of `decode_op_args`, lse in float32 as `decode` returns it."""
+    out, lse = run_tiled(problem_from_op_args(*op_args))
+    return out, lse.to(torch.float32)
+
+
+DECODE_OPS = {"triton": define_decode_op("triton", run_triton_op), "tiled": define_decode_op("tiled", run_tiled_op)}
 
 
 # ---------------------------------------------------------------- public entry point
@@ -706,11 +707,11 @@ def decode(
             token's position and the key's; the sink joins each row's softmax once, and lse
             includes it). All four run in the Triton decode kernels and on the tiled backend.
 
-    Under `torch.compile` (fullgraph=True, any mode, "reduce-overhead" included) the Triton path
-    runs as the opaque custom op `exattn::decode_triton`. validate=True needs no sync there either;
-    inside replayed CUDA graphs (mode="reduce-overhead") nothing runs on the host, so errors recorded
-    by replays surface at `check_errors()` or the next eager validated call. The tiled path reads
-    the longest length on the host, which a fullgraph compile cannot trace.
+    Under `torch.compile` (fullgraph=True, any mode, "reduce-overhead" included, dynamic shapes too)
+    the Triton path runs as the opaque custom op `exattn::decode_triton`. validate=True needs no sync
+    there either; inside replayed CUDA graphs (mode="reduce-overhead") nothing runs on the host, so
+    errors recorded by replays surface at `check_errors()` or the next eager validated call. The
+    tiled path runs as `exattn::decode_tiled`, which reads the lengths on the host when it runs.
 
     Returns:
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
@@ -731,8 +732,8 @@ def decode(
         remember(signature, ((problem.scale, problem.num_splits, problem.window_left, problem.softcap), None))
     if q.shape[0] == 0:
         out, lse = q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
-    elif name == "triton" and torch.compiler.is_compiling():
-        out, lse = decode_triton_op(*triton_op_args(problem))
+    elif torch.compiler.is_compiling():
+        out, lse = DECODE_OPS[name](*decode_op_args(problem))
     else:
         out, lse = run_triton(problem) if name == "triton" else run_tiled(problem)
     if not return_lse:

@@ -74,25 +74,37 @@ def problem_reasons(problem: AttentionProblem) -> list[str]:
     """Every reason the kernels cannot serve this problem (empty if they can)."""
     rules = getattr(problem, "rules", None)
     mask = problem.mask
-    return list(reasons_for(
-        problem.q.device, problem.q.dtype, problem.head_dim, problem.value_dim, problem.params.block_m,
-        problem.params.block_n, None if mask is None else mask.device, tuple(rules.in_use()) if rules else (),
-        interpreting(),
-    ))
+    reasons = list(kernel_reasons(problem.q.device, problem.q.dtype, None if mask is None else mask.device,
+                                  tuple(rules.in_use()) if rules else ()))
+    return reasons + size_reasons(problem.head_dim, problem.value_dim, problem.params.block_m, problem.params.block_n)
+
+
+def size_reasons(head_dim: int, value_dim: int, block_m: int | None = None, block_n: int | None = None) -> list[str]:
+    """Why the kernels cannot take these head dims and tile sizes (symbolic under torch.compile's dynamic
+    shapes, so traced there)."""
+    reasons = [f"{name}={dim} exceeds {MAX_HEAD_DIM}" for name, dim in (("head dim D", head_dim),
+                                                                         ("value dim Dv", value_dim))
+               if dim > MAX_HEAD_DIM]
+    return reasons + tile_problems(block_m, block_n)
+
+
+# Under torch.compile: called at trace time rather than traced (Dynamo warns about a cache wrapper it
+# traces); its arguments are constants there.
+@torch.compiler.assume_constant_result
+def kernel_reasons(device: torch.device, dtype: torch.dtype, mask_device: torch.device | None,
+                   rules_in_use: tuple[str, ...]) -> tuple[str, ...]:
+    """Every reason the kernels cannot serve inputs of this kind, sizes apart (empty if they can)."""
+    return reasons_for(device, dtype, mask_device, rules_in_use, interpreting())
 
 
 @functools.lru_cache(maxsize=256)
-def reasons_for(device, dtype, head_dim, value_dim, block_m, block_n, mask_device, rules_in_use, interpret) -> tuple:
-    """`problem_reasons` from what it depends on (cached: it is on every call's host path)."""
+def reasons_for(device, dtype, mask_device, rules_in_use, interpret) -> tuple[str, ...]:
+    """`kernel_reasons`, cached: it is on every call's host path."""
     if not triton_importable():
         return ("triton is not installed",)
     reasons = device_reasons(device)
     if dtype not in SUPPORTED_DTYPES:
         reasons.append(f"dtype {dtype} is not supported (float16, bfloat16, float32)")
-    for name, dim in (("head dim D", head_dim), ("value dim Dv", value_dim)):
-        if dim > MAX_HEAD_DIM:
-            reasons.append(f"{name}={dim} exceeds {MAX_HEAD_DIM}")
-    reasons += tile_problems(block_m, block_n)
     if mask_device is not None and mask_device != device:
         reasons.append(f"mask is on {mask_device}, not {device}")
     reasons += [f"{name} is not in the Triton kernels yet" for name in rules_in_use if name in KERNELS_LACK]
