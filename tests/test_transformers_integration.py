@@ -631,3 +631,46 @@ def test_left_padded_sliding_generation_matches_eager(calls):
     assert len(calls.attention) + len(calls.decode) == STEPS * model.config.num_hidden_layers
     assert calls.attention[0][2] is not None and calls.attention[0][2].dtype == torch.bool
     assert all(mask is not None for _, _, mask in calls.attention)  # decode serves only mask-free steps
+
+
+# ---------------------------------------------------------------- torch.compile(fullgraph=True)
+
+
+def compiled_with_ops(model):
+    """(the model under torch.compile(fullgraph=True) with aot_eager, the exattn ops its graphs call)."""
+    from test_compile import exattn_ops, recording
+
+    torch._dynamo.reset()
+    record, graphs = recording()
+    return torch.compile(model, fullgraph=True, backend=record), lambda: exattn_ops(graphs)
+
+
+@pytest.mark.parametrize("family,padded", [("llama", False), ("llama", True), ("gemma2", False)])
+def test_fullgraph_compiled_models_match_eager(family, padded, llama):
+    """Under torch.compile transformers wraps every mask rule in a closure made while tracing, out of
+    the mask interface's reach, and cannot tell a packed batch: the rule is deferred (or, with padding,
+    built as SDPA's mask), and the whole model compiles, giving eager exattn's logits."""
+    model = llama if family == "llama" else sliding_model(family)
+    model.set_attn_implementation("exattn")
+    input_ids = torch.randint(3, 100, (2, SLIDING_PROMPT), generator=torch.Generator().manual_seed(3))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :4] = 0
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask if padded else None, use_cache=False)
+    compiled, ops = compiled_with_ops(model)
+    with torch.no_grad():
+        expected, logits = model(**inputs).logits, compiled(**inputs).logits
+    assert ops() == ["exattn.tiled_forward.default"] * model.config.num_hidden_layers
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+
+
+def test_fullgraph_compiled_packed_batch_matches_eager(small_llama):
+    """A packed batch with its offsets compiles to the packed op (no mask built, offsets trusted
+    unvalidated under compile: reading them would break the graph), forward and backward."""
+    batch = packed_batch(documents(), use_cache=False)
+    probe = torch.randn(sum(DOC_LENGTHS), 128, generator=torch.Generator().manual_seed(5))
+    eager_logits, eager_grads = logits_and_grads(small_llama, "exattn", [batch], probe)
+    compiled, ops = compiled_with_ops(small_llama)
+    logits, grads = logits_and_grads(compiled, "exattn", [batch], probe)
+    grads = {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()}
+    assert ops() == ["exattn.tiled_varlen_forward.default"] * small_llama.config.num_hidden_layers
+    assert max_difference(logits, eager_logits) <= 1e-6 and max_difference(grads, eager_grads) <= 1e-6

@@ -75,11 +75,16 @@ def exattn_mask(
     packed batch, a `DeferredPackedMask` that builds that mask only if the
     attention function gets no sequence offsets.
     """
-    if attention_mask is None and is_packed_sequence_rule(mask_function):
+    # Under torch.compile a rule made while tracing keeps its closure out of reach (transformers
+    # wraps every rule there, packed or not): it is deferred or built as SDPA's mask would be.
+    traced_rule = torch.compiler.is_compiling() and mask_function is not causal_mask_function
+    if attention_mask is None and (traced_rule or is_packed_sequence_rule(mask_function)):
         return DeferredPackedMask(dict(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
             kv_offset=kv_offset, mask_function=mask_function, **kwargs,
         ))
+    if traced_rule:
+        allow_is_causal_skip = False
     if allow_is_causal_skip and is_plain_causal(
         q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, kwargs.get("local_size")
     ):
@@ -159,7 +164,9 @@ class DeferredPackedMask:
     forward, before it knows whether the attention function receives the
     documents' offsets. With `cu_seq_lens_q/k` the attention function runs
     `attention_varlen` and never builds it; without them `build()` gives the
-    bool (1, 1, N, N) mask SDPA would get. `arguments`: `sdpa_mask`'s keywords.
+    bool (B, 1, N, N) mask SDPA would get. `arguments`: `sdpa_mask`'s keywords.
+    Under torch.compile every rule but plain causal without padding comes this way
+    (`exattn_mask`): transformers cannot tell a packed batch there.
     """
 
     arguments: dict
@@ -258,6 +265,7 @@ def packed_attention(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), offsets_q, offsets_k,
         longest(max_length_q, offsets_q), longest(max_length_k, offsets_k),
         causal=causal, window=window, scale=scale, dropout_p=dropout, softcap=softcap, sinks=sinks,
+        validate=not torch.compiler.is_compiling(),  # reading the offsets would break the graph
     )
     return out.unsqueeze(0)
 
