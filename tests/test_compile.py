@@ -118,6 +118,22 @@ def test_score_rules_and_the_sinks_gradient_compile_to_the_tiled_ops():
     assert exattn_ops(graphs) == ["exattn.tiled_forward.default"]
 
 
+def test_dynamic_shapes_take_rule_tensors_made_in_the_compiled_code():
+    """Rule tensors made while tracing have literal sizes, the head count a symbolic one: their shape
+    check compares the sizes one by one (a tuple of sizes in a list of tuples does not trace)."""
+    q, k, v, _ = inputs(3)
+
+    def fn(q, k, v, sinks):
+        return exattn.attention(q, k, v, causal=True, softcap=4.0, alibi_slopes=torch.full((2, 4), 0.25),
+                                sinks=sinks, backend="tiled", return_lse=True)
+
+    leaves = (q, k, v, torch.randn(4))
+    record, graphs = recording()
+    ours = outputs_and_grads(torch.compile(fn, backend=record, fullgraph=True, dynamic=True), leaves)
+    assert_same(("out", "lse", "dq", "dk", "dv", "dsinks"), ours, outputs_and_grads(fn, leaves))
+    assert exattn_ops(graphs) == ["exattn.tiled_forward.default"]
+
+
 def test_sdpa_traces_into_one_graph_around_the_custom_op():
     graphs = []
 

@@ -330,8 +330,8 @@ def check_rule_tensor(name: str, x: object, dtypes: tuple[torch.dtype, ...], sha
         raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(x).__name__}")
     if x.dtype not in dtypes:
         raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)} {layout}, got {x.dtype}")
-    if tuple(x.shape) not in shapes:
-        expected = " or ".join(str(s) for s in shapes)
+    if not any(len(x.shape) == len(shape) and all(a == b for a, b in zip(x.shape, shape)) for shape in shapes):
+        expected = " or ".join(str(tuple(shape)) for shape in shapes)
         raise ValueError(f"{name} must have shape {layout} = {expected}, got {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device} but q is on {device}; it must be on q's device")
