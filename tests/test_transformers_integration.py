@@ -78,7 +78,7 @@ class Calls:
 
         def counted_attention(q, k, v, **kwargs):
             self.attention.append((tuple(q.shape), tuple(k.shape), kwargs.get("mask")))
-            self.options.append({name: kwargs.get(name) for name in ("window", "softcap", "sinks")})
+            self.options.append({name: kwargs.get(name) for name in ("window", "softcap", "sinks", "segment_ids")})
             return attention(q, k, v, **kwargs)
 
         def counted_decode(q, k, v, **kwargs):
@@ -464,18 +464,44 @@ def test_packed_batch_matches_documents_one_by_one_through_attention_varlen(smal
     assert checks.count("cu_seqlens_q") == 1 and checks.count("cu_seqlens_k") <= 1  # not once a layer
 
 
-def test_packed_batch_without_offsets_builds_the_mask_and_stays_exact(small_llama, calls):
-    """Position ids alone (no cu_seq_lens kwargs): the deferred mask is built, and still no
-    query attends another document."""
-    docs, total = documents(6), sum(DOC_LENGTHS)
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_packed_batch_without_offsets_runs_segment_ids_and_builds_no_mask(family, small_llama, calls):
+    """Position ids alone (the collator's default: no cu_seq_lens kwargs): transformers' packing rule over
+    plain or sliding-window causal attention is read from its mask function, and exattn.attention serves
+    it with one segment id per document (and the window), building no (N, N) mask; no query attends
+    another document."""
+    model = small_llama if family == "llama" else sliding_model(family)
+    docs = documents(6)
     batch = packed_batch(docs, flash_kwargs=False, use_cache=False)  # with a cache, transformers sees no packing
     assert "cu_seq_lens_q" not in batch
-    small_llama.set_attn_implementation("exattn")
+    model.set_attn_implementation("exattn")
     with torch.no_grad():
-        packed = small_llama(**batch).logits[0]
-        alone = torch.cat([small_llama(torch.tensor([d])).logits[0] for d in docs])
+        packed = model(**batch).logits[0]
+        alone = torch.cat([model(torch.tensor([d])).logits[0] for d in docs])
     assert (packed - alone).abs().max() <= 1e-5
-    assert not calls.varlen and calls.built[0] == (1, 1, total, total)
+    assert not calls.varlen and not calls.built
+    layers = model.config.num_hidden_layers
+    assert len(calls.attention) == layers * (1 + len(docs))
+    segments = [options["segment_ids"] for options in calls.options[:layers]]
+    assert all(ids is not None and ids.tolist() == [[0] * 5 + [1] * 13 + [2] + [3] * 8] for ids in segments)
+    windows = [options["window"] for options in calls.options[:layers]]
+    assert windows == ([None, None] if family == "llama" else [(7, 0), None])
+
+
+def test_packed_batch_of_another_rule_builds_its_mask():
+    """A packing rule over a rule exattn does not read (here a chunked one) keeps the built mask."""
+    from transformers.masking_utils import and_masks, chunked_causal_mask_function
+
+    ids = torch.tensor([[0, 0, 1, 1, 1]])
+    positions = torch.tensor([[0, 1, 0, 1, 2]])
+    same_document = ext.packed_sequence_mask_function(ids)
+    plain = and_masks(ext.remap_positions_for_packed_sequence(ext.causal_mask_function, positions), same_document)
+    chunked = and_masks(ext.remap_positions_for_packed_sequence(chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long)), positions),
+                        same_document)
+    assert ext.packed_documents(plain)[0] is ids and ext.packed_documents(plain)[1] is None
+    assert ext.packed_documents(chunked) is None
+    mask = ext.exattn_mask(1, 5, 5, mask_function=chunked, dtype=torch.float32, device="cpu")
+    assert isinstance(mask, ext.DeferredPackedMask) and mask.document_ids is None
 
 
 def test_packed_minilm_matches_sentences_one_by_one(minilm, calls):

@@ -14,7 +14,9 @@ unregistered name no mask at all (padding would be silently ignored):
   becomes None, and the attention function applies exattn's bottom-right
   causal rule (and the layer's `sliding_window`) instead of a mask. The
   block-diagonal mask of a packed batch (one row, position ids restarting per
-  document) is not built either: it becomes a `DeferredPackedMask`.
+  document) is not built either: it becomes a `DeferredPackedMask`, which the
+  attention function serves with the documents' offsets or, without them, with
+  their ids as `segment_ids` (`packed_documents`).
 - `exattn_attention_forward` (attention interface): runs `exattn.attention_varlen`
   on a packed batch (the `cu_seq_lens_q/k`, `max_length_q/k` keywords, as
   `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` makes them),
@@ -38,6 +40,7 @@ from transformers.masking_utils import (
     causal_mask_function,
     packed_sequence_mask_function,
     prepare_padding_mask,
+    remap_positions_for_packed_sequence,
     sdpa_mask,
     sliding_window_overlay,
 )
@@ -53,6 +56,8 @@ UNSUPPORTED = ("position_bias",)
 # The code of the same-document rule transformers adds to the mask of a packed batch
 # (`packed_sequence_mask_function(ids)` returns a new closure over this code each call).
 PACKED_RULE_CODE = packed_sequence_mask_function(torch.zeros(1, 1, dtype=torch.long)).__code__
+# The code of the rule it wraps the others in, read at per-document positions.
+REMAP_RULE_CODE = remap_positions_for_packed_sequence(causal_mask_function, torch.zeros(1, 1)).__code__
 # The code of the window rule of `sliding_window_causal_mask_function(w)` = and_masks(overlay(w), causal).
 SLIDING_RULE_CODE = sliding_window_overlay(1).__code__
 
@@ -79,10 +84,11 @@ def exattn_mask(
     # wraps every rule there, packed or not): it is deferred or built as SDPA's mask would be.
     traced_rule = torch.compiler.is_compiling() and mask_function is not causal_mask_function
     if attention_mask is None and (traced_rule or is_packed_sequence_rule(mask_function)):
+        documents = None if traced_rule else packed_documents(mask_function)
         return DeferredPackedMask(dict(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
             kv_offset=kv_offset, mask_function=mask_function, **kwargs,
-        ))
+        ), *(documents or ()))
     if traced_rule:
         allow_is_causal_skip = False
     if allow_is_causal_skip and is_plain_causal(
@@ -134,12 +140,10 @@ def sliding_causal_window(mask_function) -> int | None:
     Reads the `and_masks` closure; a transformers release that builds it otherwise gives
     None, and the mask is materialized as before (correct, at O(N^2) memory).
     """
-    for cell in getattr(mask_function, "__closure__", None) or ():
-        parts = cell.cell_contents
-        if isinstance(parts, tuple) and len(parts) == 2 and causal_mask_function in parts:
-            other = parts[1] if parts[0] is causal_mask_function else parts[0]
-            return sliding_window_of(other)
-    return None
+    parts = and_parts(mask_function)
+    if parts is None or len(parts) != 2 or causal_mask_function not in parts:
+        return None
+    return sliding_window_of(parts[1] if parts[0] is causal_mask_function else parts[0])
 
 
 def is_packed_sequence_rule(mask_function) -> bool:
@@ -149,11 +153,45 @@ def is_packed_sequence_rule(mask_function) -> bool:
     Reads the `and_masks` closure; if a transformers release builds it otherwise, this is
     False and the mask is materialized as before (correct, at O(N^2) memory).
     """
-    for cell in getattr(mask_function, "__closure__", None) or ():
-        parts = cell.cell_contents
-        if isinstance(parts, tuple) and any(getattr(part, "__code__", None) is PACKED_RULE_CODE for part in parts):
-            return True
-    return False
+    return any(code_of(part) is PACKED_RULE_CODE for part in and_parts(mask_function) or ())
+
+
+def packed_documents(mask_function) -> tuple[torch.Tensor, int | None] | None:
+    """(document ids (B, N), window w or None) of transformers' rule for a packed batch over plain or
+    sliding-window causal attention:
+
+        and_masks(remap_positions_for_packed_sequence(rule, position_ids), packed_sequence_mask_function(ids))
+
+    with `rule` `causal_mask_function` or `sliding_window_causal_mask_function(w)`; None for any other
+    rule (a chunked or an overlaid one), whose mask is built.
+    """
+    parts = and_parts(mask_function)
+    if parts is None or len(parts) != 2 or code_of(parts[0]) is not REMAP_RULE_CODE:
+        return None
+    if code_of(parts[1]) is not PACKED_RULE_CODE:
+        return None
+    (rule,) = (x for x in closure_values(parts[0]) if callable(x))
+    (ids,) = (x for x in closure_values(parts[1]) if isinstance(x, torch.Tensor))
+    window = None if rule is causal_mask_function else sliding_causal_window(rule)
+    if rule is not causal_mask_function and window is None:
+        return None
+    return ids, window
+
+
+def and_parts(mask_function) -> tuple | None:
+    """The rules `and_masks(*rules)` made `mask_function` from (read from its closure), else None."""
+    for value in closure_values(mask_function):
+        if isinstance(value, tuple) and all(callable(part) for part in value):
+            return value
+    return None
+
+
+def closure_values(function) -> list:
+    return [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()]
+
+
+def code_of(function):
+    return getattr(function, "__code__", None)
 
 
 @dataclass(frozen=True)
@@ -167,12 +205,32 @@ class DeferredPackedMask:
     bool (B, 1, N, N) mask SDPA would get. `arguments`: `sdpa_mask`'s keywords.
     Under torch.compile every rule but plain causal without padding comes this way
     (`exattn_mask`): transformers cannot tell a packed batch there.
+
+    `document_ids` (B, N) and `window` (`packed_documents`): the packing rule over
+    plain (None) or sliding-window causal attention, which `exattn.attention` serves
+    with `segment_ids` and no mask when the offsets are absent; None where the rule
+    is another or could not be read (compiling), which builds the mask.
     """
 
     arguments: dict
+    document_ids: torch.Tensor | None = None
+    window: int | None = None
 
     def build(self) -> torch.Tensor:
         return sdpa_mask(**self.arguments, attention_mask=None, allow_is_causal_skip=False)
+
+    def read_for(self, query: torch.Tensor, key: torch.Tensor) -> bool:
+        """Whether the rule was read (`document_ids`) for as many queries and keys as these."""
+        return self.document_ids is not None and self.document_ids.shape[-1] == query.shape[2] == key.shape[2]
+
+
+def document_attention(query, key, value, documents: DeferredPackedMask, scale, dropout, softcap, sinks):
+    """`exattn.attention` under a packed batch's rule read from transformers (`packed_documents`): causal,
+    the window, and one segment id per document. Returns (B, Nq, Hq, Dv)."""
+    window = None if documents.window is None else (documents.window - 1, 0)
+    out = attention(query, key, value, causal=True, window=window, scale=scale, dropout_p=dropout, softcap=softcap,
+                    sinks=sinks, segment_ids=documents.document_ids.to(torch.int32))
+    return out.transpose(1, 2).contiguous()
 
 
 def exattn_attention_forward(
@@ -220,6 +278,8 @@ def exattn_attention_forward(
             sliding_window=sliding_window, scale=scaling, dropout=dropout, softcap=softcap, sinks=sinks,
         ), None
     if isinstance(attention_mask, DeferredPackedMask):
+        if attention_mask.read_for(query, key):
+            return document_attention(query, key, value, attention_mask, scaling, dropout, softcap, sinks), None
         attention_mask = attention_mask.build()
     window = None
     # Without a mask a causal sliding layer needs its window, unless even the last query sees
