@@ -33,6 +33,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import (  # noqa: E402
     bidirectional_mask_function,
+    causal_mask_function,
     sdpa_mask,
     sliding_window_causal_mask_function,
 )
@@ -207,9 +208,34 @@ def test_left_padded_generation_matches_eager(llama, calls):
     eager_tokens, _ = generate(llama, "eager", input_ids, attention_mask)
     tokens, _ = generate(llama, "exattn", input_ids, attention_mask)
     assert torch.equal(tokens, eager_tokens)
-    # padding needs the mask on every step, so every step runs exattn.attention with it
-    assert len(calls.attention) == STEPS * llama.config.num_hidden_layers and not calls.decode
-    assert all(mask is not None and mask.dtype == torch.bool for _, _, mask in calls.attention)
+    # padding is in every step's keys, so every step runs exattn.attention, with the padding as segment
+    # ids (real tokens 0, padding 1) and no mask built
+    assert len(calls.attention) == STEPS * llama.config.num_hidden_layers and not calls.decode and not calls.built
+    assert all(mask is None for _, _, mask in calls.attention)
+    assert all(options["segment_ids"][1][0].tolist()[:5] == [1, 1, 1, 1, 0] for options in calls.options)
+
+
+def rule_of(mask, q_length: int) -> torch.Tensor:
+    """The bool (B, 1, Nq, Nk) mask a `DeferredMask`'s segment ids, causal rule and window allow."""
+    ids = mask.key_ids
+    keys = ids.shape[1]
+    q_pos, k_pos = torch.arange(keys - q_length, keys)[:, None], torch.arange(keys)[None, :]
+    allowed = ids[:, keys - q_length:, None] == ids[:, None, :]
+    if mask.causal:
+        allowed &= k_pos <= q_pos
+    if mask.window is not None:
+        allowed &= q_pos - k_pos < mask.window
+    return allowed[:, None]
+
+
+def assert_padding_rule(mask, kwargs):
+    """A `DeferredMask` read from padding: for every real query, what SDPA's mask allows; its build() is
+    SDPA's mask."""
+    expected = sdpa_mask(**kwargs, allow_is_causal_skip=False)
+    assert isinstance(mask, ext.DeferredMask) and not mask.packed and torch.equal(mask.build(), expected)
+    real_queries = mask.key_ids[:, -kwargs["q_length"]:] == 0
+    allowed = rule_of(mask, kwargs["q_length"]).expand_as(expected)
+    assert torch.equal(allowed[real_queries[:, None]], expected[real_queries[:, None]])
 
 
 def test_mask_function_skips_only_plain_bottom_right_causal():
@@ -218,12 +244,17 @@ def test_mask_function_skips_only_plain_bottom_right_causal():
     padding[0, :3] = False
     assert ext.exattn_mask(2, 12, 12, attention_mask=no_padding) is None  # prefill
     assert ext.exattn_mask(2, 4, 12, q_offset=8, attention_mask=no_padding) is None  # 4 new tokens
-    materialized = [
+    read = [
         dict(batch_size=2, q_length=12, kv_length=12, attention_mask=padding),
-        dict(batch_size=2, q_length=4, kv_length=16, q_offset=0, attention_mask=no_padding),  # static cache
-        dict(batch_size=2, q_length=4, kv_length=12, q_offset=8, attention_mask=no_padding, local_size=6),
+        dict(batch_size=2, q_length=4, kv_length=12, q_offset=8, attention_mask=padding),
         dict(batch_size=2, q_length=12, kv_length=12, attention_mask=padding,
              mask_function=bidirectional_mask_function),
+    ]
+    for kwargs in read:
+        assert_padding_rule(ext.exattn_mask(**kwargs), {"mask_function": causal_mask_function, **kwargs})
+    materialized = [
+        dict(batch_size=2, q_length=4, kv_length=16, q_offset=0, attention_mask=no_padding),  # static cache
+        dict(batch_size=2, q_length=4, kv_length=12, q_offset=8, attention_mask=no_padding, local_size=6),
     ]
     for kwargs in materialized:
         mask = ext.exattn_mask(**kwargs)
@@ -247,10 +278,16 @@ def test_mask_function_skips_sliding_window_causal_without_padding():
     ]
     for kwargs in skipped:
         assert ext.exattn_mask(mask_function=rule, **kwargs) is None
-    materialized = [
+    read = [
         dict(batch_size=2, q_length=12, kv_length=12, local_size=6, attention_mask=padding[:, :12]),
         dict(batch_size=2, q_length=1, kv_length=6, q_offset=19, kv_offset=14, local_size=6,
              attention_mask=padding.roll(14, 1)),  # padding inside the window
+    ]
+    for kwargs in read:
+        mask = ext.exattn_mask(mask_function=rule, **kwargs)
+        assert mask.causal and mask.window == 6
+        assert_padding_rule(mask, dict(mask_function=rule, **kwargs))
+    materialized = [
         dict(batch_size=2, q_length=4, kv_length=16, q_offset=0, local_size=6),  # static cache
         dict(batch_size=2, q_length=12, kv_length=12, local_size=5),  # not the window asked for
     ]
@@ -459,7 +496,7 @@ def test_packed_batch_matches_documents_one_by_one_through_attention_varlen(smal
         assert causal
     assert len(calls.masks) == layers
     for mask in calls.masks:
-        assert mask is None if use_cache else isinstance(mask, ext.DeferredPackedMask)
+        assert mask is None if use_cache else isinstance(mask, ext.DeferredMask)
     assert not calls.built  # no (total, total) mask was ever built
     assert checks.count("cu_seqlens_q") == 1 and checks.count("cu_seqlens_k") <= 1  # not once a layer
 
@@ -483,7 +520,7 @@ def test_packed_batch_without_offsets_runs_segment_ids_and_builds_no_mask(family
     layers = model.config.num_hidden_layers
     assert len(calls.attention) == layers * (1 + len(docs))
     segments = [options["segment_ids"] for options in calls.options[:layers]]
-    assert all(ids is not None and ids.tolist() == [[0] * 5 + [1] * 13 + [2] + [3] * 8] for ids in segments)
+    assert all(ids is not None and ids[1].tolist() == [[0] * 5 + [1] * 13 + [2] + [3] * 8] for ids in segments)
     windows = [options["window"] for options in calls.options[:layers]]
     assert windows == ([None, None] if family == "llama" else [(7, 0), None])
 
@@ -498,10 +535,11 @@ def test_packed_batch_of_another_rule_builds_its_mask():
     plain = and_masks(ext.remap_positions_for_packed_sequence(ext.causal_mask_function, positions), same_document)
     chunked = and_masks(ext.remap_positions_for_packed_sequence(chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long)), positions),
                         same_document)
-    assert ext.packed_documents(plain)[0] is ids and ext.packed_documents(plain)[1] is None
+    read, causal, window = ext.packed_documents(plain)
+    assert torch.equal(read, ids.to(torch.int32)) and causal and window is None
     assert ext.packed_documents(chunked) is None
     mask = ext.exattn_mask(1, 5, 5, mask_function=chunked, dtype=torch.float32, device="cpu")
-    assert isinstance(mask, ext.DeferredPackedMask) and mask.document_ids is None
+    assert isinstance(mask, ext.DeferredMask) and mask.packed and mask.key_ids is None
 
 
 def test_packed_minilm_matches_sentences_one_by_one(minilm, calls):
@@ -515,7 +553,7 @@ def test_packed_minilm_matches_sentences_one_by_one(minilm, calls):
     assert (packed - alone).abs().max() <= 1e-5
     assert len(calls.varlen) == model.config.num_hidden_layers
     assert all(not causal for *_, causal in calls.varlen)
-    assert all(m is None or isinstance(m, ext.DeferredPackedMask) for m in calls.masks) and not calls.attention
+    assert all(m is None or isinstance(m, ext.DeferredMask) for m in calls.masks) and not calls.attention
     assert all(shape is None for shape in calls.built)  # no (total, total) mask tensor was ever built
 
 
@@ -643,8 +681,9 @@ def test_sliding_softcap_sink_models_generate_like_eager(family, calls):
 
 
 def test_left_padded_sliding_generation_matches_eager(calls):
-    """Padding: the sliding layer gets SDPA's dense bool mask (window included) while padding is in
-    its window; once it has left (transformers passes no mask), steps go through exattn.decode."""
+    """Padding: while it is in a layer's keys the layer runs exattn.attention with it as segment ids (and
+    the sliding layer's window), no mask built; once it has left the sliding window (transformers passes
+    no mask), that layer's steps go through exattn.decode."""
     model = sliding_model("gemma2")
     input_ids = torch.randint(3, 128, (2, SLIDING_PROMPT), generator=torch.Generator().manual_seed(3))
     attention_mask = torch.ones_like(input_ids)
@@ -655,8 +694,10 @@ def test_left_padded_sliding_generation_matches_eager(calls):
     assert torch.equal(tokens, eager_tokens)
     torch.testing.assert_close(scores, eager_scores, rtol=0, atol=1e-4)
     assert len(calls.attention) + len(calls.decode) == STEPS * model.config.num_hidden_layers
-    assert calls.attention[0][2] is not None and calls.attention[0][2].dtype == torch.bool
-    assert all(mask is not None for _, _, mask in calls.attention)  # decode serves only mask-free steps
+    assert not calls.built and calls.decode and all(mask is None for _, _, mask in calls.attention)
+    segments = [options["segment_ids"] for options in calls.options if "segment_ids" in options]
+    assert len(segments) == len(calls.attention) and all(ids is not None for ids in segments)
+    assert calls.options[0]["window"] == (7, 0)  # the sliding layer's prefill
 
 
 # ---------------------------------------------------------------- torch.compile(fullgraph=True)

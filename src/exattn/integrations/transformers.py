@@ -12,11 +12,12 @@ unregistered name no mask at all (padding would be silently ignored):
   causal or sliding-window causal mask without padding, whose queries are the
   last Nq keys (a prefill, or new tokens over a KV cache, sliding or not),
   becomes None, and the attention function applies exattn's bottom-right
-  causal rule (and the layer's `sliding_window`) instead of a mask. The
-  block-diagonal mask of a packed batch (one row, position ids restarting per
-  document) is not built either: it becomes a `DeferredPackedMask`, which the
-  attention function serves with the documents' offsets or, without them, with
-  their ids as `segment_ids` (`packed_documents`).
+  causal rule (and the layer's `sliding_window`) instead of a mask. With
+  padding, those rules and full attention become a `DeferredMask` holding the
+  padding as segment ids (`padding_ids`). The block-diagonal mask of a packed
+  batch (one row, position ids restarting per document) is not built either:
+  it becomes a `DeferredMask`, which the attention function serves with the
+  documents' offsets or, without them, with their ids (`packed_documents`).
 - `exattn_attention_forward` (attention interface): runs `exattn.attention_varlen`
   on a packed batch (the `cu_seq_lens_q/k`, `max_length_q/k` keywords, as
   `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` makes them),
@@ -37,6 +38,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import (
     AttentionMaskInterface,
+    bidirectional_mask_function,
     causal_mask_function,
     packed_sequence_mask_function,
     prepare_padding_mask,
@@ -72,57 +74,57 @@ def exattn_mask(
     batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
     mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
     allow_is_causal_skip: bool = True, **kwargs,
-) -> torch.Tensor | None:
-    """transformers' mask interface: None for plain bottom-right causal (sliding or not), else SDPA's bool mask.
+) -> torch.Tensor | DeferredMask | None:
+    """transformers' mask interface: None for plain bottom-right causal (sliding or not) and full
+    attention; a `DeferredMask` for those rules with padding and for a packed batch's rule; else SDPA's
+    bool mask (B, 1, Nq, Nk) (possibly a broadcast view).
 
     attention_mask: the 2-D padding mask (B, past + Nq), True/1 = real token.
-    Returns None, bool (B, 1, Nq, Nk) (possibly a broadcast view), or, for a
-    packed batch, a `DeferredPackedMask` that builds that mask only if the
-    attention function gets no sequence offsets.
     """
+    arguments = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
     # Under torch.compile a rule made while tracing keeps its closure out of reach (transformers
     # wraps every rule there, packed or not): it is deferred or built as SDPA's mask would be.
     traced_rule = torch.compiler.is_compiling() and mask_function is not causal_mask_function
     if attention_mask is None and (traced_rule or is_packed_sequence_rule(mask_function)):
-        documents = None if traced_rule else packed_documents(mask_function)
-        return DeferredPackedMask(dict(
-            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-            kv_offset=kv_offset, mask_function=mask_function, **kwargs,
-        ), *(documents or ()))
-    if traced_rule:
-        allow_is_causal_skip = False
-    if allow_is_causal_skip and is_plain_causal(
-        q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, kwargs.get("local_size")
-    ):
-        return None
-    return sdpa_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-        allow_is_causal_skip=False, **kwargs,
-    )
+        return DeferredMask(arguments, *(() if traced_rule else packed_documents(mask_function) or ()), packed=True)
+    rule = None if traced_rule else read_rule(q_length, kv_length, q_offset, kv_offset, mask_function,
+                                                kwargs.get("local_size"))
+    if rule is not None and allow_is_causal_skip:
+        padding = padding_ids(attention_mask, kv_length, kv_offset)
+        if padding is None:
+            return None
+        if padding.shape[-1] == kv_length:
+            return DeferredMask(arguments, padding, *rule)
+    return sdpa_mask(**arguments, allow_is_causal_skip=False)
 
 
-def is_plain_causal(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size) -> bool:
-    """True when the mask would be exactly exattn's bottom-right causal rule (reads the padding mask),
-    or, for a sliding layer (`local_size` w), that rule with the window transformers' attention
-    functions get as `sliding_window` = w (keys `q - w < k <= q`).
+def read_rule(q_length, kv_length, q_offset, kv_offset, mask_function, local_size) -> tuple[bool, int | None] | None:
+    """(causal, window w or None) when the mask, padding aside, would be exattn's bottom-right causal
+    rule, that rule with the window transformers' attention functions get as `sliding_window` = w (a
+    sliding layer, `local_size` w: keys `q - w < k <= q`), or full attention; else None.
 
     Keys are absolute positions `kv_offset .. kv_offset + kv_length - 1` (a sliding cache drops
     the oldest: kv_offset > 0); the queries must be the last q_length of them.
     """
-    if local_size is None:
-        if mask_function is not causal_mask_function:
-            return False
-    elif sliding_causal_window(mask_function) != local_size:
-        return False
     if not isinstance(q_offset, int) or not isinstance(kv_offset, int) or q_offset + q_length != kv_offset + kv_length:
-        return False
+        return None
+    if local_size is not None:
+        return (True, local_size) if sliding_causal_window(mask_function) == local_size else None
+    if mask_function is causal_mask_function:
+        return True, None
+    return (False, None) if mask_function is bidirectional_mask_function else None
+
+
+def padding_ids(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:
+    """Segment ids of the keys, int32 (B, kv_length): 0 for a real token, 1 for padding; None where every
+    key is real (known without reading the mask where it is None; read, a host sync, outside torch.compile)."""
     if attention_mask is None:
-        return True
-    if torch.compiler.is_compiling():
-        return False
-    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    return padding.shape[-1] == kv_offset + kv_length and bool(padding[..., kv_offset:].all())
+        return None
+    real = prepare_padding_mask(attention_mask, kv_length, kv_offset)[..., kv_offset:kv_offset + kv_length]
+    if not torch.compiler.is_compiling() and real.shape[-1] == kv_length and bool(real.all()):
+        return None
+    return (real == 0).to(torch.int32)
 
 
 def sliding_window_of(rule) -> int | None:
@@ -156,9 +158,9 @@ def is_packed_sequence_rule(mask_function) -> bool:
     return any(code_of(part) is PACKED_RULE_CODE for part in and_parts(mask_function) or ())
 
 
-def packed_documents(mask_function) -> tuple[torch.Tensor, int | None] | None:
-    """(document ids (B, N), window w or None) of transformers' rule for a packed batch over plain or
-    sliding-window causal attention:
+def packed_documents(mask_function) -> tuple[torch.Tensor, bool, int | None] | None:
+    """(document ids int32 (B, N), causal: True, window w or None) of transformers' rule for a packed
+    batch over plain or sliding-window causal attention:
 
         and_masks(remap_positions_for_packed_sequence(rule, position_ids), packed_sequence_mask_function(ids))
 
@@ -175,7 +177,7 @@ def packed_documents(mask_function) -> tuple[torch.Tensor, int | None] | None:
     window = None if rule is causal_mask_function else sliding_causal_window(rule)
     if rule is not causal_mask_function and window is None:
         return None
-    return ids, window
+    return ids.to(torch.int32), True, window
 
 
 def and_parts(mask_function) -> tuple | None:
@@ -195,41 +197,47 @@ def code_of(function):
 
 
 @dataclass(frozen=True)
-class DeferredPackedMask:
-    """The block-diagonal mask of a packed batch, not built.
+class DeferredMask:
+    """A mask transformers asked for, not built (`arguments`: `sdpa_mask`'s keywords).
 
-    transformers makes it from position ids that restart per document, once per
-    forward, before it knows whether the attention function receives the
-    documents' offsets. With `cu_seq_lens_q/k` the attention function runs
-    `attention_varlen` and never builds it; without them `build()` gives the
-    bool (B, 1, N, N) mask SDPA would get. `arguments`: `sdpa_mask`'s keywords.
-    Under torch.compile every rule but plain causal without padding comes this way
-    (`exattn_mask`): transformers cannot tell a packed batch there.
+    Where the rule was read, `key_ids` (B, Nk) int32 hold it with `causal` and `window`: a query sees
+    the keys of its own id (the queries are the last Nq keys), under bottom-right causal and the
+    window w (keys `q - w < k <= q`) if set. `exattn.attention` serves that with `segment_ids` and
+    no mask. Two sources:
 
-    `document_ids` (B, N) and `window` (`packed_documents`): the packing rule over
-    plain (None) or sliding-window causal attention, which `exattn.attention` serves
-    with `segment_ids` and no mask when the offsets are absent; None where the rule
-    is another or could not be read (compiling), which builds the mask.
+    - padding under plain or sliding-window causal attention or full attention (`read_rule`): real
+      tokens are id 0, padding 1 (`padding_ids`);
+    - a packed batch (`packed`), from position ids that restart per document: transformers asks for
+      its block-diagonal mask once per forward, before it knows whether the attention function gets
+      the documents' offsets. With `cu_seq_lens_q/k` the attention function runs `attention_varlen`;
+      without them the documents' ids serve (`packed_documents`), or the mask is built.
+
+    `build()` gives the bool (B, 1, Nq, Nk) mask SDPA would get, where no ids were read: another rule
+    under the packing, or any rule made while compiling, where transformers cannot tell a packed
+    batch and `exattn_mask` cannot read the rule.
     """
 
     arguments: dict
-    document_ids: torch.Tensor | None = None
+    key_ids: torch.Tensor | None = None
+    causal: bool = True
     window: int | None = None
+    packed: bool = False
 
     def build(self) -> torch.Tensor:
-        return sdpa_mask(**self.arguments, attention_mask=None, allow_is_causal_skip=False)
+        return sdpa_mask(**self.arguments, allow_is_causal_skip=False)
 
     def read_for(self, query: torch.Tensor, key: torch.Tensor) -> bool:
-        """Whether the rule was read (`document_ids`) for as many queries and keys as these."""
-        return self.document_ids is not None and self.document_ids.shape[-1] == query.shape[2] == key.shape[2]
+        """Whether the rule was read for these queries and keys ((B, Nk) ids, Nq <= Nk)."""
+        ids = self.key_ids
+        return ids is not None and ids.shape == (key.shape[0], key.shape[2]) and query.shape[2] <= key.shape[2]
 
 
-def document_attention(query, key, value, documents: DeferredPackedMask, scale, dropout, softcap, sinks):
-    """`exattn.attention` under a packed batch's rule read from transformers (`packed_documents`): causal,
-    the window, and one segment id per document. Returns (B, Nq, Hq, Dv)."""
-    window = None if documents.window is None else (documents.window - 1, 0)
-    out = attention(query, key, value, causal=True, window=window, scale=scale, dropout_p=dropout, softcap=softcap,
-                    sinks=sinks, segment_ids=documents.document_ids.to(torch.int32))
+def segment_attention(query, key, value, rule: DeferredMask, scale, dropout, softcap, sinks) -> torch.Tensor:
+    """`exattn.attention` under a rule read from transformers (`DeferredMask.key_ids`): (B, Nq, Hq, Dv)."""
+    window = None if rule.window is None else (rule.window - 1, 0)
+    ids = rule.key_ids
+    out = attention(query, key, value, causal=rule.causal, window=window, scale=scale, dropout_p=dropout,
+                    softcap=softcap, sinks=sinks, segment_ids=(ids[:, ids.shape[1] - query.shape[2]:], ids))
     return out.transpose(1, 2).contiguous()
 
 
@@ -249,7 +257,7 @@ def exattn_attention_forward(
     query: (B, Hq, Nq, D); key, value: (B, Hk, Nk, D | Dv), after the KV-cache
     update; attention_mask: None (causal per the module, bottom-right, or
     full), bool / additive float broadcastable to (B, Hq, Nq, Nk), or a
-    `DeferredPackedMask`. kwargs `cu_seq_lens_q`, `cu_seq_lens_k` ((n + 1,)
+    `DeferredMask`. kwargs `cu_seq_lens_q`, `cu_seq_lens_k` ((n + 1,)
     offsets of n packed documents, any int dtype and device) and `max_length_q`,
     `max_length_k` (int or 0-d tensor; computed from the offsets if absent):
     a packed batch, B = 1, run by `packed_attention`. `softcap`: float or None
@@ -267,7 +275,7 @@ def exattn_attention_forward(
         sinks = sinks.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
     sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-        if attention_mask is not None and not isinstance(attention_mask, DeferredPackedMask):
+        if attention_mask is not None and not (isinstance(attention_mask, DeferredMask) and attention_mask.packed):
             raise ValueError(
                 "attn_implementation='exattn' got a packed batch (cu_seq_lens_q/k) together with an attention "
                 "mask; a packed batch has no padding: drop attention_mask (DataCollatorWithFlattening gives none)"
@@ -277,9 +285,9 @@ def exattn_attention_forward(
             kwargs.get("max_length_q"), kwargs.get("max_length_k"), causal=bool(causal),
             sliding_window=sliding_window, scale=scaling, dropout=dropout, softcap=softcap, sinks=sinks,
         ), None
-    if isinstance(attention_mask, DeferredPackedMask):
+    if isinstance(attention_mask, DeferredMask):
         if attention_mask.read_for(query, key):
-            return document_attention(query, key, value, attention_mask, scaling, dropout, softcap, sinks), None
+            return segment_attention(query, key, value, attention_mask, scaling, dropout, softcap, sinks), None
         attention_mask = attention_mask.build()
     window = None
     # Without a mask a causal sliding layer needs its window, unless even the last query sees
