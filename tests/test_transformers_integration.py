@@ -127,11 +127,11 @@ def test_minilm_padded_batch_matches_sdpa_in_every_layer(minilm, calls):
     assert (sentence_embeddings(ours, real) - sentence_embeddings(reference, real)).abs().max() <= 1e-5
 
     layers, (n_batch, n_tok) = model.config.num_hidden_layers, batch["input_ids"].shape
-    assert len(calls.attention) == layers and not calls.decode
-    for q_shape, k_shape, mask in calls.attention:
-        assert q_shape == (n_batch, 12, n_tok, 32) and k_shape == q_shape
-        assert mask.dtype == torch.bool and mask.shape == (n_batch, 1, n_tok, n_tok)
-        assert torch.equal(mask[:, 0, 0], batch["attention_mask"].bool())
+    assert len(calls.attention) == layers and not calls.decode and not calls.built
+    for (q_shape, k_shape, mask), options in zip(calls.attention, calls.options):
+        assert q_shape == (n_batch, 12, n_tok, 32) and k_shape == q_shape and mask is None
+        query_ids, key_ids = options["segment_ids"]  # the padding: every query sees the real keys
+        assert not query_ids.any() and torch.equal(key_ids == 0, batch["attention_mask"].bool())
 
     alone = tokenizer(SENTENCES[2:3], return_tensors="pt")  # the padding really is masked out
     unpadded = embed(model, alone, "exattn")
@@ -212,15 +212,15 @@ def test_left_padded_generation_matches_eager(llama, calls):
     # ids (real tokens 0, padding 1) and no mask built
     assert len(calls.attention) == STEPS * llama.config.num_hidden_layers and not calls.decode and not calls.built
     assert all(mask is None for _, _, mask in calls.attention)
-    assert all(options["segment_ids"][1][0].tolist()[:5] == [1, 1, 1, 1, 0] for options in calls.options)
+    assert all(options["segment_ids"][1][0].tolist()[:5] == [1, 1, 1, 1, 0] and not options["segment_ids"][0].any()
+               for options in calls.options)
 
 
 def rule_of(mask, q_length: int) -> torch.Tensor:
     """The bool (B, 1, Nq, Nk) mask a `DeferredMask`'s segment ids, causal rule and window allow."""
-    ids = mask.key_ids
-    keys = ids.shape[1]
+    keys = mask.key_ids.shape[1]
     q_pos, k_pos = torch.arange(keys - q_length, keys)[:, None], torch.arange(keys)[None, :]
-    allowed = ids[:, keys - q_length:, None] == ids[:, None, :]
+    allowed = mask.query_ids[:, :, None] == mask.key_ids[:, None, :]
     if mask.causal:
         allowed &= k_pos <= q_pos
     if mask.window is not None:
@@ -229,13 +229,10 @@ def rule_of(mask, q_length: int) -> torch.Tensor:
 
 
 def assert_padding_rule(mask, kwargs):
-    """A `DeferredMask` read from padding: for every real query, what SDPA's mask allows; its build() is
-    SDPA's mask."""
+    """A `DeferredMask` read from padding: what SDPA's mask allows; its build() is SDPA's mask."""
     expected = sdpa_mask(**kwargs, allow_is_causal_skip=False)
     assert isinstance(mask, ext.DeferredMask) and not mask.packed and torch.equal(mask.build(), expected)
-    real_queries = mask.key_ids[:, -kwargs["q_length"]:] == 0
-    allowed = rule_of(mask, kwargs["q_length"]).expand_as(expected)
-    assert torch.equal(allowed[real_queries[:, None]], expected[real_queries[:, None]])
+    assert torch.equal(rule_of(mask, kwargs["q_length"]).expand_as(expected), expected)
 
 
 def test_mask_function_skips_only_plain_bottom_right_causal():
@@ -728,6 +725,21 @@ def test_fullgraph_compiled_models_match_eager(family, padded, llama):
         expected, logits = model(**inputs).logits, compiled(**inputs).logits
     assert ops() == ["exattn.tiled_forward.default"] * model.config.num_hidden_layers
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+
+
+def test_fullgraph_compiled_padded_minilm_matches_eager(minilm, calls):
+    """A bidirectional encoder with padding compiles whole, its padding read as segment ids (no mask)."""
+    tokenizer, model = minilm
+    model.set_attn_implementation("exattn")
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    compiled, ops = compiled_with_ops(model)
+    with torch.no_grad():
+        expected = model(**batch).last_hidden_state
+        hidden = compiled(**batch).last_hidden_state
+    real = batch["attention_mask"].bool()
+    assert ops() == ["exattn.tiled_forward.default"] * model.config.num_hidden_layers and not calls.built
+    assert all(options["segment_ids"] is not None for options in calls.options)
+    torch.testing.assert_close(hidden[real], expected[real], rtol=0, atol=1e-6)
 
 
 def test_fullgraph_compiled_packed_batch_matches_eager(small_llama):

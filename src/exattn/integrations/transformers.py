@@ -85,17 +85,20 @@ def exattn_mask(
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
     # Under torch.compile a rule made while tracing keeps its closure out of reach (transformers
     # wraps every rule there, packed or not): it is deferred or built as SDPA's mask would be.
-    traced_rule = torch.compiler.is_compiling() and mask_function is not causal_mask_function
+    traced_rule = torch.compiler.is_compiling() and mask_function not in (causal_mask_function,
+                                                                          bidirectional_mask_function)
     if attention_mask is None and (traced_rule or is_packed_sequence_rule(mask_function)):
-        return DeferredMask(arguments, *(() if traced_rule else packed_documents(mask_function) or ()), packed=True)
+        documents = None if traced_rule else packed_documents(mask_function)
+        return DeferredMask(arguments, *((documents[0], *documents) if documents else ()), packed=True)
     rule = None if traced_rule else read_rule(q_length, kv_length, q_offset, kv_offset, mask_function,
                                                 kwargs.get("local_size"))
-    if rule is not None and allow_is_causal_skip:
+    if rule is not None:
         padding = padding_ids(attention_mask, kv_length, kv_offset)
-        if padding is None:
+        if padding is None and rule[0] and allow_is_causal_skip:
             return None
-        if padding.shape[-1] == kv_length:
-            return DeferredMask(arguments, padding, *rule)
+        if padding is not None and padding.shape[-1] == kv_length:
+            real = torch.zeros(padding.shape[0], q_length, dtype=torch.int32, device=padding.device)
+            return DeferredMask(arguments, real, padding, *rule)
     return sdpa_mask(**arguments, allow_is_causal_skip=False)
 
 
@@ -117,8 +120,9 @@ def read_rule(q_length, kv_length, q_offset, kv_offset, mask_function, local_siz
 
 
 def padding_ids(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:
-    """Segment ids of the keys, int32 (B, kv_length): 0 for a real token, 1 for padding; None where every
-    key is real (known without reading the mask where it is None; read, a host sync, outside torch.compile)."""
+    """Segment ids of the keys, int32 (B, kv_length): 0 for a real token, 1 for padding (every query has
+    id 0: it sees the real keys, as under SDPA's mask); None where every key is real (known without
+    reading the mask where it is None; read, a host sync, outside torch.compile)."""
     if attention_mask is None:
         return None
     real = prepare_padding_mask(attention_mask, kv_length, kv_offset)[..., kv_offset:kv_offset + kv_length]
@@ -200,13 +204,14 @@ def code_of(function):
 class DeferredMask:
     """A mask transformers asked for, not built (`arguments`: `sdpa_mask`'s keywords).
 
-    Where the rule was read, `key_ids` (B, Nk) int32 hold it with `causal` and `window`: a query sees
-    the keys of its own id (the queries are the last Nq keys), under bottom-right causal and the
-    window w (keys `q - w < k <= q`) if set. `exattn.attention` serves that with `segment_ids` and
-    no mask. Two sources:
+    Where the rule was read, `query_ids` (B, Nq) and `key_ids` (B, Nk) int32 hold it with `causal`
+    and `window`: a query sees the keys of its own id, under bottom-right causal and the window w
+    (keys `q - w < k <= q`) if set. `exattn.attention` serves that with `segment_ids` and no mask.
+    Two sources:
 
     - padding under plain or sliding-window causal attention or full attention (`read_rule`): real
-      tokens are id 0, padding 1 (`padding_ids`);
+      keys have id 0, padding 1, every query 0 (`padding_ids`); a query with no real key (left
+      padding, causal) gets zeros;
     - a packed batch (`packed`), from position ids that restart per document: transformers asks for
       its block-diagonal mask once per forward, before it knows whether the attention function gets
       the documents' offsets. With `cu_seq_lens_q/k` the attention function runs `attention_varlen`;
@@ -218,6 +223,7 @@ class DeferredMask:
     """
 
     arguments: dict
+    query_ids: torch.Tensor | None = None
     key_ids: torch.Tensor | None = None
     causal: bool = True
     window: int | None = None
@@ -227,17 +233,16 @@ class DeferredMask:
         return sdpa_mask(**self.arguments, allow_is_causal_skip=False)
 
     def read_for(self, query: torch.Tensor, key: torch.Tensor) -> bool:
-        """Whether the rule was read for these queries and keys ((B, Nk) ids, Nq <= Nk)."""
-        ids = self.key_ids
-        return ids is not None and ids.shape == (key.shape[0], key.shape[2]) and query.shape[2] <= key.shape[2]
+        """Whether the rule was read for these queries and keys."""
+        return (self.key_ids is not None and self.query_ids.shape == (query.shape[0], query.shape[2])
+                and self.key_ids.shape == (key.shape[0], key.shape[2]))
 
 
 def segment_attention(query, key, value, rule: DeferredMask, scale, dropout, softcap, sinks) -> torch.Tensor:
     """`exattn.attention` under a rule read from transformers (`DeferredMask.key_ids`): (B, Nq, Hq, Dv)."""
     window = None if rule.window is None else (rule.window - 1, 0)
-    ids = rule.key_ids
     out = attention(query, key, value, causal=rule.causal, window=window, scale=scale, dropout_p=dropout,
-                    softcap=softcap, sinks=sinks, segment_ids=(ids[:, ids.shape[1] - query.shape[2]:], ids))
+                    softcap=softcap, sinks=sinks, segment_ids=(rule.query_ids, rule.key_ids))
     return out.transpose(1, 2).contiguous()
 
 
