@@ -95,6 +95,33 @@ def test_segment_ids_skip_tiles_and_hold_when_unsorted(shuffled):
     check(q, k, v, segment_ids=document_ids(q, k, 3, shuffled)[0], prefix=10)
 
 
+def padding_case(len_q, len_k, dtype, device, head_dim):
+    """The transformers integration's padding as segment ids: keys 0 where real, 1 where padding (left
+    padding of 0, a fifth and all but one of the keys), every query 0; a left-padded prefill leaves
+    queries that see no key."""
+    q, k, v, rules = inputs(3, 4, 2, len_q, len_k, head_dim, dtype, device, logit_scale=2.0)
+    padding = torch.tensor([0, len_k // 5, len_k - 1])
+    key_ids = (torch.arange(len_k)[None] < padding[:, None]).to(device=device, dtype=torch.int32)
+    return q, k, v, rules["sinks"], (torch.zeros(3, len_q, dtype=torch.int32, device=device), key_ids)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("len_q", [1, 5, 45])
+@pytest.mark.parametrize("window", [None, (9, 0)])
+def test_padding_as_segment_ids(len_q, window):
+    q, k, v, sinks, ids = padding_case(len_q, 45, torch.float32, "cpu", 16)
+    check(q, k, v, sinks=sinks, causal=True, window=window, softcap=5.0, segment_ids=ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("len_q", [1, 7, 700])
+@pytest.mark.parametrize("window", [None, (255, 0)])
+def test_gpu_padding_as_segment_ids(dtype, len_q, window):
+    q, k, v, sinks, ids = padding_case(len_q, 700, dtype, "cuda", 128)
+    check(q, k, v, sinks=sinks, causal=True, window=window, softcap=30.0, segment_ids=ids)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("prefix", [torch.tensor([3, 0, 70], dtype=torch.int32), 33])
 def test_prefix_lm(prefix):
