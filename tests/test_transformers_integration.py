@@ -522,6 +522,27 @@ def test_packed_batch_without_offsets_runs_segment_ids_and_builds_no_mask(family
     assert windows == ([None, None] if family == "llama" else [(7, 0), None])
 
 
+@pytest.mark.parametrize("family", ["Qwen2", "Mistral", "Phi3", "GPTNeoX", "Falcon"])
+def test_padded_batches_of_other_families_match_sdpa_with_no_mask_built(family, calls):
+    """The padding reaches each family's attention function as a `DeferredMask` (segment ids), which
+    their layers pass through untouched."""
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    input_ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :6] = 0
+    expected, ours = (logits(model, implementation, input_ids, attention_mask) for implementation in ("sdpa", "exattn"))
+    real = attention_mask.bool()
+    assert (ours - expected)[real].abs().max() <= 1e-5
+    assert len(calls.attention) == config.num_hidden_layers and not calls.built
+    assert all(isinstance(mask, ext.DeferredMask) for mask in calls.masks)
+
+
 def test_packed_batch_of_another_rule_builds_its_mask():
     """A packing rule over a rule exattn does not read (here a chunked one) keeps the built mask."""
     from transformers.masking_utils import and_masks, chunked_causal_mask_function
