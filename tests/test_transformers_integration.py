@@ -217,15 +217,16 @@ def test_left_padded_generation_matches_eager(llama, calls):
 
 
 def rule_of(mask, q_length: int) -> torch.Tensor:
-    """The bool (B, 1, Nq, Nk) mask a `DeferredMask`'s segment ids, causal rule and window allow."""
+    """The bool (B, 1, Nq, Nk) mask exattn's own score rules (`masks.apply_score_rules`) give a
+    `DeferredMask`'s segment ids, causal rule and window."""
+    from exattn.masks import apply_score_rules
+    from exattn.problem import ScoreRules, check_window
+
     keys = mask.key_ids.shape[1]
-    q_pos, k_pos = torch.arange(keys - q_length, keys)[:, None], torch.arange(keys)[None, :]
-    allowed = mask.query_ids[:, :, None] == mask.key_ids[:, None, :]
-    if mask.causal:
-        allowed &= k_pos <= q_pos
-    if mask.window is not None:
-        allowed &= q_pos - k_pos < mask.window
-    return allowed[:, None]
+    window = check_window(None if mask.window is None else (mask.window - 1, 0), mask.causal)
+    rules = ScoreRules(q_segment_ids=mask.query_ids, k_segment_ids=mask.key_ids)
+    scores = torch.zeros(mask.key_ids.shape[0], 1, q_length, keys)
+    return apply_score_rules(scores, range(q_length), range(keys), q_length, keys, window, None, rules).isfinite()
 
 
 def assert_padding_rule(mask, kwargs):
@@ -541,6 +542,18 @@ def test_padded_batches_of_other_families_match_sdpa_with_no_mask_built(family, 
     assert (ours - expected)[real].abs().max() <= 1e-5
     assert len(calls.attention) == config.num_hidden_layers and not calls.built
     assert all(isinstance(mask, ext.DeferredMask) for mask in calls.masks)
+
+
+def test_a_deferred_mask_for_other_sizes_is_built_and_refused_clearly(calls):
+    """Segment ids read for 12 keys do not serve 10: the mask is built, and exattn.attention names its shape."""
+    padding = torch.ones(2, 12, dtype=torch.bool)
+    padding[0, :3] = False
+    mask = ext.exattn_mask(2, 12, 12, attention_mask=padding, dtype=torch.float32, device="cpu")
+    q, k = torch.randn(2, 4, 10, 16), torch.randn(2, 2, 10, 16)
+    assert isinstance(mask, ext.DeferredMask) and not mask.read_for(q, k)
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 1, 12, 12\) does not broadcast"):
+        ext.exattn_attention_forward(torch.nn.Module(), q, k, k, mask)
+    assert calls.built == [(2, 1, 12, 12)]
 
 
 def test_packed_batch_of_another_rule_builds_its_mask():
