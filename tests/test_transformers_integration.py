@@ -56,12 +56,14 @@ class Calls:
 
     def __init__(self, monkeypatch):
         self.attention, self.decode, self.varlen, self.built, self.masks = [], [], [], [], []
+        self.varlen_windows = []
         self.options = []  # per exattn.attention or decode call: its window, softcap and sinks
         attention, decode, varlen, build = ext.attention, ext.decode, ext.attention_varlen, ext.sdpa_mask
         forward = AttentionInterface._global_mapping[ext.NAME]
 
         def counted_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
             self.varlen.append((tuple(q.shape), cu_q.tolist(), cu_k.tolist(), max_q, max_k, kwargs["causal"]))
+            self.varlen_windows.append(kwargs.get("window"))
             return varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
         def counted_build(**kwargs):
@@ -500,27 +502,63 @@ def test_packed_batch_matches_documents_one_by_one_through_attention_varlen(smal
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_packed_batch_without_offsets_runs_segment_ids_and_builds_no_mask(family, small_llama, calls):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_packed_batch_without_offsets_reads_them_from_position_ids(family, rows, small_llama, calls):
     """Position ids alone (the collator's default: no cu_seq_lens kwargs): transformers' packing rule over
-    plain or sliding-window causal attention is read from its mask function, and exattn.attention serves
-    it with one segment id per document (and the window), building no (N, N) mask; no query attends
-    another document."""
+    plain or sliding-window causal attention is read from its mask function, the documents' offsets from
+    its ids (rows laid end to end, once per forward), and attention_varlen serves every layer, with the
+    window; no (N, N) mask is built. Logits and gradients equal the documents' one by one."""
     model = small_llama if family == "llama" else sliding_model(family)
     docs = documents(6)
     batch = packed_batch(docs, flash_kwargs=False, use_cache=False)  # with a cache, transformers sees no packing
     assert "cu_seq_lens_q" not in batch
-    model.set_attn_implementation("exattn")
-    with torch.no_grad():
-        packed = model(**batch).logits[0]
-        alone = torch.cat([model(torch.tensor([d])).logits[0] for d in docs])
-    assert (packed - alone).abs().max() <= 1e-5
-    assert not calls.varlen and not calls.built
+    other_row = (10, 17)  # a second row of two documents, as long as the first
+    if rows == 2:
+        batch = {name: torch.cat([batch[name], torch.cat([torch.arange(n) for n in other_row])[None]])
+                 for name in ("input_ids", "position_ids")}
+        batch["input_ids"][1] = torch.randint(0, 128, (sum(other_row),), generator=torch.Generator().manual_seed(7))
+        batch["use_cache"] = False
+        flat = batch["input_ids"][1].tolist()
+        docs = docs + [flat[:other_row[0]], flat[other_row[0]:]]
+    probe = torch.randn(rows * sum(DOC_LENGTHS), 128, generator=torch.Generator().manual_seed(5))
+
+    def logits_and_grads_of(implementation, batches):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        logits = torch.cat([model(**b).logits.flatten(0, 1) for b in batches])
+        (logits * probe).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad()
+        return logits.detach(), grads
+
+    one_by_one = [{"input_ids": torch.tensor([d])} for d in docs]
+    eager_logits, eager_grads = logits_and_grads_of("eager", one_by_one)
+    alone_logits, alone_grads = logits_and_grads_of("exattn", one_by_one)
+    calls.attention.clear(), calls.options.clear()
+    packed_logits, packed_grads = logits_and_grads_of("exattn", [batch])
+    assert max_difference(packed_logits, alone_logits) <= 2 * max_difference(alone_logits, eager_logits) + 1e-6
+    assert max_difference(packed_grads, alone_grads) <= 2 * max_difference(alone_grads, eager_grads) + 1e-6
+
+    offsets = [0, 5, 18, 19, 27] + ([37, 54] if rows == 2 else [])
     layers = model.config.num_hidden_layers
-    assert len(calls.attention) == layers * (1 + len(docs))
-    segments = [options["segment_ids"] for options in calls.options[:layers]]
-    assert all(ids is not None and ids[1].tolist() == [[0] * 5 + [1] * 13 + [2] + [3] * 8] for ids in segments)
-    windows = [options["window"] for options in calls.options[:layers]]
-    assert windows == ([None, None] if family == "llama" else [(7, 0), None])
+    assert not calls.attention and not calls.built and len(calls.varlen) == layers
+    longest_document = max(b - a for a, b in zip(offsets, offsets[1:]))
+    for q_shape, cu_q, cu_k, max_q, max_k, causal in calls.varlen:
+        assert q_shape == (rows * 27, 4, 16) and cu_q == cu_k == offsets and max_q == max_k == longest_document
+        assert causal
+    assert calls.varlen_windows == ([None, None] if family == "llama" else [(7, 7), None])
+
+
+def test_packed_offsets_are_read_once_per_forward(small_llama, monkeypatch):
+    """Every layer shares the offsets read from the ids: one read per forward, not per layer."""
+    reads = []
+    real = torch.unique_consecutive
+    monkeypatch.setattr(torch, "unique_consecutive", lambda *a, **k: reads.append(1) or real(*a, **k))
+    batch = packed_batch(documents(6), flash_kwargs=False, use_cache=False)
+    small_llama.set_attn_implementation("exattn")
+    with torch.no_grad():
+        small_llama(**batch)
+    assert len(reads) == 1
 
 
 @pytest.mark.parametrize("family", ["Qwen2", "Mistral", "Phi3", "GPTNeoX", "Falcon"])

@@ -16,8 +16,9 @@ unregistered name no mask at all (padding would be silently ignored):
   padding, those rules and full attention become a `DeferredMask` holding the
   padding as segment ids (`padding_ids`). The block-diagonal mask of a packed
   batch (one row, position ids restarting per document) is not built either:
-  it becomes a `DeferredMask`, which the attention function serves with the
-  documents' offsets or, without them, with their ids (`packed_documents`).
+  it becomes a `DeferredMask`, which the attention function serves through
+  `attention_varlen` with the documents' offsets, given or read from their ids
+  (`packed_documents`).
 - `exattn_attention_forward` (attention interface): runs `exattn.attention_varlen`
   on a packed batch (the `cu_seq_lens_q/k`, `max_length_q/k` keywords, as
   `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` makes them),
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers import AttentionInterface
@@ -215,7 +217,8 @@ class DeferredMask:
     - a packed batch (`packed`), from position ids that restart per document: transformers asks for
       its block-diagonal mask once per forward, before it knows whether the attention function gets
       the documents' offsets. With `cu_seq_lens_q/k` the attention function runs `attention_varlen`;
-      without them the documents' ids serve (`packed_documents`), or the mask is built.
+      without them it runs `attention_varlen` over the `documents` read from the ids
+      (`packed_documents`), or builds the mask where the rule was not read.
 
     `build()` gives the bool (B, 1, Nq, Nk) mask SDPA would get, where no ids were read: another rule
     under the packing, or any rule made while compiling, where transformers cannot tell a packed
@@ -236,6 +239,17 @@ class DeferredMask:
         """Whether the rule was read for these queries and keys."""
         return (self.key_ids is not None and self.query_ids.shape == (query.shape[0], query.shape[2])
                 and self.key_ids.shape == (key.shape[0], key.shape[2]))
+
+    @cached_property
+    def documents(self) -> tuple[torch.Tensor, int]:
+        """(offsets int32 (n + 1,), longest document) of a packed batch's n documents, its rows laid end
+        to end (token-major): read from the ids once (one host sync), shared by every layer."""
+        ids = self.key_ids.cpu().to(torch.int64)
+        rows, length = ids.shape
+        unique_per_row = ids + torch.arange(rows)[:, None] * (length + 1)
+        lengths = torch.unique_consecutive(unique_per_row.flatten(), return_counts=True)[1]
+        offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(self.key_ids.device, torch.int32)
+        return offsets, int(lengths.max()) if lengths.numel() else 0
 
 
 def segment_attention(query, key, value, rule: DeferredMask, scale, dropout, softcap, sinks) -> torch.Tensor:
@@ -291,6 +305,13 @@ def exattn_attention_forward(
             sliding_window=sliding_window, scale=scaling, dropout=dropout, softcap=softcap, sinks=sinks,
         ), None
     if isinstance(attention_mask, DeferredMask):
+        if attention_mask.read_for(query, key) and attention_mask.packed:
+            offsets, longest_document = attention_mask.documents
+            window = None if attention_mask.window is None else (attention_mask.window - 1,) * 2
+            return rows_attention(
+                query, key, value, offsets, offsets, longest_document, longest_document, causal=attention_mask.causal,
+                window=window, scale=scaling, dropout=dropout, softcap=softcap, sinks=sinks, validate=False,
+            ), None
         if attention_mask.read_for(query, key):
             return segment_attention(query, key, value, attention_mask, scaling, dropout, softcap, sinks), None
         attention_mask = attention_mask.build()
@@ -334,13 +355,27 @@ def packed_attention(
     offsets_q, offsets_k = (torch.as_tensor(x).to(device=query.device, dtype=torch.int32)
                             for x in (cu_seq_lens_q, cu_seq_lens_k))
     window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
-    out = attention_varlen(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), offsets_q, offsets_k,
-        longest(max_length_q, offsets_q), longest(max_length_k, offsets_k),
-        causal=causal, window=window, scale=scale, dropout_p=dropout, softcap=softcap, sinks=sinks,
+    return rows_attention(
+        query, key, value, offsets_q, offsets_k, longest(max_length_q, offsets_q), longest(max_length_k, offsets_k),
+        causal=causal, window=window, scale=scale, dropout=dropout, softcap=softcap, sinks=sinks,
         validate=not torch.compiler.is_compiling(),  # reading the offsets would break the graph
     )
-    return out.unsqueeze(0)
+
+
+def rows_attention(query, key, value, offsets_q, offsets_k, max_q: int, max_k: int, *, causal: bool, window,
+                   scale, dropout: float, softcap: float, sinks, validate: bool) -> torch.Tensor:
+    """`attention_varlen` over documents packed along rows laid end to end: query (B, Hq, Nq, D), key and
+    value (B, Hk, Nk, D | Dv), offsets into the B * N tokens. Rows stored token-major, as transformers'
+    projections leave them, are read in place. Returns (B, Nq, Hq, Dv)."""
+    def token_major(x):
+        return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+    out = attention_varlen(
+        token_major(query), token_major(key), token_major(value), offsets_q, offsets_k, max_q, max_k,
+        causal=causal, window=window, scale=scale, dropout_p=dropout, softcap=softcap, sinks=sinks,
+        validate=validate,
+    )
+    return out.view(query.shape[0], query.shape[2], *out.shape[1:])
 
 
 def longest(max_length, offsets: torch.Tensor) -> int:
