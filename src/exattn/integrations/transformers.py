@@ -252,8 +252,16 @@ class DeferredMask:
         return offsets, int(lengths.max()) if lengths.numel() else 0
 
 
-def segment_attention(query, key, value, rule: DeferredMask, scale, dropout, softcap, sinks) -> torch.Tensor:
-    """`exattn.attention` under a rule read from transformers (`DeferredMask.key_ids`): (B, Nq, Hq, Dv)."""
+def deferred_attention(query, key, value, rule: DeferredMask, scale, dropout, softcap, sinks) -> torch.Tensor:
+    """A rule read from transformers (`DeferredMask.key_ids`): a packed batch's documents through
+    `attention_varlen`, padding through `exattn.attention` with segment ids. Returns (B, Nq, Hq, Dv)."""
+    if rule.packed:
+        offsets, longest_document = rule.documents
+        window = None if rule.window is None else (rule.window - 1, rule.window - 1)
+        return rows_attention(
+            query, key, value, offsets, offsets, longest_document, longest_document, causal=rule.causal,
+            window=window, scale=scale, dropout=dropout, softcap=softcap, sinks=sinks, validate=False,
+        )
     window = None if rule.window is None else (rule.window - 1, 0)
     out = attention(query, key, value, causal=rule.causal, window=window, scale=scale, dropout_p=dropout,
                     softcap=softcap, sinks=sinks, segment_ids=(rule.query_ids, rule.key_ids))
@@ -305,15 +313,8 @@ def exattn_attention_forward(
             sliding_window=sliding_window, scale=scaling, dropout=dropout, softcap=softcap, sinks=sinks,
         ), None
     if isinstance(attention_mask, DeferredMask):
-        if attention_mask.read_for(query, key) and attention_mask.packed:
-            offsets, longest_document = attention_mask.documents
-            window = None if attention_mask.window is None else (attention_mask.window - 1,) * 2
-            return rows_attention(
-                query, key, value, offsets, offsets, longest_document, longest_document, causal=attention_mask.causal,
-                window=window, scale=scaling, dropout=dropout, softcap=softcap, sinks=sinks, validate=False,
-            ), None
         if attention_mask.read_for(query, key):
-            return segment_attention(query, key, value, attention_mask, scaling, dropout, softcap, sinks), None
+            return deferred_attention(query, key, value, attention_mask, scaling, dropout, softcap, sinks), None
         attention_mask = attention_mask.build()
     window = None
     # Without a mask a causal sliding layer needs its window, unless even the last query sees
