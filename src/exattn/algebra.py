@@ -182,10 +182,9 @@ def finalize(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
 
 def finalize_(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
     """`finalize` that overwrites `s.u` with out and `s.m` with lse and returns them (the hot path)."""
-    empty = s.l == 0  # NaN counts as mass, so NaN propagates
-    safe_l = s.l.masked_fill(empty, 1.0)
-    out = s.u.div_(safe_l[..., None]).masked_fill_(empty[..., None], 0.0)
-    lse = s.m.add_(torch.log(safe_l)).masked_fill_(empty, NEG_INF)
+    inverse_l = s.l.reciprocal().masked_fill_(s.l == 0, 0.0)  # NaN counts as mass, so NaN propagates
+    out = s.u.mul_(inverse_l[..., None])
+    lse = s.m.add_(s.l.log())  # log 0 = -inf
     return out, lse
 
 
