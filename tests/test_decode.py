@@ -224,6 +224,49 @@ def test_tiled_splits_taken_together_match_attention(budget, layout, monkeypatch
         torch.testing.assert_close(lse[b:b + 1].double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_key_ranges_read_what_every_sequence_holds_in_place():
+    from exattn.decode import key_ranges
+
+    assert key_ranges(100, 0, 100, 1) == [(0, 100, True)]
+    assert key_ranges(100, 10, 60, 1) == [(0, 10, False), (10, 60, True), (60, 100, False)]
+    assert key_ranges(100, 10, 60, 16) == [(0, 16, False), (16, 48, True), (48, 100, False)]  # page-aligned
+    assert key_ranges(100, 0, 40, 1) == [(0, 40, True), (40, 100, False)]
+    assert key_ranges(100, 70, 60, 1) == [(0, 100, False)]  # no key that every sequence holds
+    assert key_ranges(0, 0, 0, 1) == []
+
+
+@pytest.mark.parametrize("stale", ["finite", "nan"])
+@pytest.mark.parametrize("alibi", [False, True])
+def test_tiled_reads_finite_stale_slots_in_place(stale, alibi, monkeypatch):
+    """Ragged lengths and left paddings: where the values some sequence does not hold are finite (NaN keys
+    are masked away), the tiled path reads the caches in place (no zeroed copy); where values hold NaN, or
+    ALiBi's bias would meet the scores, it zeroes them in copies. The oracle's result either way."""
+    decode_module = importlib.import_module("exattn.decode")
+    copies = []
+    real = decode_module.folded_keys
+    monkeypatch.setattr(decode_module, "folded_keys", lambda x, stale_slots, *a: copies.append(
+        stale_slots is not None) or real(x, stale_slots, *a))
+    q, k, v, lens = make_case(3, 4, 2, 2, 300, 24, torch.float32, seed=10, lengths=[300, 40, 131])
+    leftpad = torch.tensor([20, 0, 100], dtype=torch.int32)
+    clean_k, clean_v = k.clone(), v.clone()
+    for b, (first, length) in enumerate(zip(leftpad.tolist(), lens.tolist())):
+        for x in (k, v):
+            x[b, :, :first] = float("nan")
+        if stale == "finite":
+            v[b] = v[b].nan_to_num(nan=1e30)
+    kwargs = dict(alibi_slopes=torch.rand(4)) if alibi else {}
+    out, lse = exattn.decode(q, k, v, cache_seqlens=lens, cache_leftpad=leftpad, return_lse=True, backend="tiled",
+                             **kwargs)
+    assert any(copies) == (stale == "nan" or alibi)
+    assert torch.isfinite(out).all()
+    for b, (first, length) in enumerate(zip(leftpad.tolist(), lens.tolist())):
+        args = (x[b:b + 1, :, first:length].double() for x in (clean_k, clean_v))
+        ref_out, ref_lse = attention_ref(q[b:b + 1].double(), *args, causal=True, return_lse=True,
+                                         **{name: x.double() for name, x in kwargs.items()})
+        torch.testing.assert_close(out[b:b + 1].double(), ref_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[b:b + 1].double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lengths", [[0, 0], [0, 5]])
 @pytest.mark.parametrize("num_splits", [1, 3])

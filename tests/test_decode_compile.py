@@ -114,8 +114,9 @@ def test_compiled_tiled_calls_check_the_lengths():
 @pytest.mark.parametrize("backend", sorted(DECODE_OPS))
 def test_the_custom_ops_pass_opcheck(backend):
     q, k, v, lens, table, sinks, slopes = case("paged")
+    leftpad = torch.tensor([5, 0], dtype=torch.int32, device=DEVICE)
     problem = make_decode_problem(q, k, v, lens, table, None, 2, True, window=(9, 0), softcap=3.0,
-                                  alibi_slopes=slopes, sinks=sinks)
+                                  alibi_slopes=slopes, sinks=sinks, cache_leftpad=leftpad)
     torch.library.opcheck(DECODE_OPS[backend], decode_op_args(problem),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 

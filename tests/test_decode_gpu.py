@@ -207,6 +207,35 @@ def test_rules_match_the_oracle(dtype, rules, layout, len_q, monkeypatch):
     exattn.check_errors()
 
 
+@pytest.mark.parametrize("dtype", (BF16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("layout", ("contiguous", "paged"))
+@pytest.mark.parametrize("capacity", (3000, 40000))
+def test_left_padding_matches_the_oracle(dtype, layout, capacity, monkeypatch):
+    """`cache_leftpad` in the Triton kernel (40k keys would take the Gluon kernel without it); the padding's
+    slots hold NaN; the last sequence keeps fewer keys than its new tokens."""
+    from exattn.backends.triton import decode_kernel
+    from test_decode_rules import assert_rules_match
+
+    q, k, v, lens = make_case(3, 32, 8, 4, capacity, 128, seed=capacity, lengths=[capacity, 1001, 6])
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    leftpad = torch.tensor([capacity // 3, 1000, 3], dtype=torch.int32, device="cuda")
+    clean_k, clean_v = k.clone(), v.clone()
+    for b, first in enumerate(leftpad.tolist()):
+        k[b, :, :first] = float("nan")
+        v[b, :, :first] = float("nan")
+    caches = (k, v, None) if layout == "contiguous" else paged(k, v, lens, 16)
+    runs = []
+    real = decode_kernel.decode_forward
+    monkeypatch.setattr(decode_kernel, "decode_forward", lambda *a, **kw: runs.append(1) or real(*a, **kw))
+    for num_splits in (0, 1, 7):
+        out, lse = exattn.decode(q, caches[0], caches[1], block_table=caches[2], cache_seqlens=lens,
+                                 cache_leftpad=leftpad, num_splits=num_splits, return_lse=True)
+        assert_rules_match(f"leftpad {layout} splits={num_splits}", out, lse, q, clean_k, clean_v, lens, {},
+                           leftpad=leftpad)
+    assert len(runs) == 3, "auto did not take the Triton decode kernel"
+    exattn.check_errors()
+
+
 @pytest.mark.parametrize("layout", ("contiguous", "paged"))
 def test_a_4k_window_over_128k_keys_reads_only_the_window(layout):
     """V holds NaN before the block where the window starts: a read would show. Long caches on an

@@ -38,15 +38,16 @@ def kernel_rules(kwargs: dict) -> DecodeRules:
                        kwargs.get("sinks"))
 
 
-def assert_rules_match(name, out, lse, q, k, v, lens, kwargs, batches=None):
-    """Per sequence b: ours vs the oracle over keys [0, lens[b]) with the same rules."""
+def assert_rules_match(name, out, lse, q, k, v, lens, kwargs, batches=None, leftpad=None):
+    """Per sequence b: ours vs the oracle over keys [leftpad[b], lens[b]) (from 0 without `leftpad`) with
+    the same rules; the oracle's bottom-right alignment keeps each token's position and distances."""
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     for b in batches if batches is not None else range(q.shape[0]):
-        length = int(lens[b])
+        length, first = int(lens[b]), 0 if leftpad is None else int(leftpad[b])
         per_seq = dict(kwargs)
         if "alibi_slopes" in per_seq:
             per_seq["alibi_slopes"] = per_seq["alibi_slopes"][b:b + 1]
-        args = (q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length])
+        args = (q[b:b + 1], k[b:b + 1, :, first:length], v[b:b + 1, :, first:length])
         ref_out, ref_lse = attention_ref(*args, causal=True, return_lse=True, **per_seq)
         naive_out, naive_lse = exattn.attention(*args, causal=True, backend="naive", return_lse=True, **per_seq)
         assert_matches_oracle(f"{name} out[{b}]", out[b:b + 1], naive_out, ref_out, q.dtype)
@@ -161,3 +162,58 @@ def test_rules_agree_with_the_tiled_backend():
     tiled_out, tiled_lse = exattn.decode(q, k_pages, v_pages, backend="tiled", **common)
     torch.testing.assert_close(out, tiled_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, tiled_lse, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- left padding (cache_leftpad)
+
+def left_padded_case(dtype):
+    """GQA 4:2, Nq = 3, D = 24; lengths 150, 77, 3 with left paddings 17, 70, 2: the second sequence keeps
+    7 keys, the last one key, which its first two tokens do not see. The padding's slots hold NaN."""
+    q, k, v, lens = make_case(3, 4, 2, 3, 150, 24, dtype, seed=12, lengths=[150, 77, 3])
+    leftpad = torch.tensor([17, 70, 2], dtype=torch.int32, device=DEVICE)
+    clean_k, clean_v = k.clone(), v.clone()
+    for b, first in enumerate(leftpad.tolist()):
+        k[b, :, :first] = float("nan")
+        v[b, :, :first] = float("nan")
+    return q, k, v, lens, leftpad, clean_k, clean_v
+
+
+@pytest.mark.parametrize("rules", ("none", "all"))
+@pytest.mark.parametrize("layout", ("contiguous", "paged"))
+@pytest.mark.parametrize("backend", ("tiled", "triton"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=("fp32", "fp16"))
+def test_left_padding_leaves_out_the_keys_before_it(rules, layout, backend, dtype):
+    q, k, v, lens, leftpad, clean_k, clean_v = left_padded_case(dtype)
+    kwargs = {} if rules == "none" else rule_kwargs("all", 4, 3, window=40)
+    caches = (k, v, None) if layout == "contiguous" else paged(k, v, lens, 16)
+    for num_splits in (1, 3):
+        out, lse = exattn.decode(q, caches[0], caches[1], block_table=caches[2], cache_seqlens=lens,
+                                 cache_leftpad=leftpad, num_splits=num_splits, return_lse=True, backend=backend,
+                                 **kwargs)
+        assert torch.all(out[2, :, :2] == 0)  # tokens before the last sequence's only key
+        assert_rules_match(f"leftpad {rules} {layout} {backend} splits={num_splits}", out, lse, q, clean_k, clean_v,
+                           lens, kwargs, leftpad=leftpad)
+    exattn.check_errors()
+
+
+@pytest.mark.parametrize("backend", ("tiled", "triton"))
+def test_a_left_padding_outside_its_sequence_is_refused(backend):
+    q, k, v, lens = make_case(2, 2, 1, 1, 40, 8, torch.float32, seed=1, lengths=[40, 20])
+    for bad, message in (([0, 21], r"cache_leftpad\[1\] = 21 is outside \[0, cache_seqlens\[1\] = 20\]"),
+                         ([-1, 0], r"cache_leftpad\[0\] = -1 is outside \[0, cache_seqlens\[0\] = 40\]")):
+        leftpad = torch.tensor(bad, dtype=torch.int32, device=DEVICE)
+        with pytest.raises(ValueError, match=message):
+            exattn.decode(q, k, v, cache_seqlens=lens, cache_leftpad=leftpad, backend=backend)
+            exattn.check_errors()
+    exattn.decode(q, k, v, cache_seqlens=lens, cache_leftpad=torch.tensor([0, 20], dtype=torch.int32, device=DEVICE),
+                  backend=backend)
+    exattn.check_errors()  # a padding up to the length leaves no key, which is allowed
+
+
+def test_left_padding_of_the_wrong_type_or_shape_is_refused():
+    q, k, v, lens = make_case(2, 2, 1, 1, 40, 8, torch.float32, seed=1, lengths=[40, 20])
+    with pytest.raises(TypeError, match="cache_leftpad must have dtype torch.int32, got torch.int64"):
+        exattn.decode(q, k, v, cache_leftpad=torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"cache_leftpad must have shape \(2,\), got \(3,\)"):
+        exattn.decode(q, k, v, cache_leftpad=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+

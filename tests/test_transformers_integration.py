@@ -86,7 +86,7 @@ class Calls:
 
         def counted_decode(q, k, v, **kwargs):
             self.decode.append((tuple(q.shape), tuple(k.shape)))
-            self.options.append({name: kwargs.get(name) for name in ("window", "softcap", "sinks")})
+            self.options.append({name: kwargs.get(name) for name in ("window", "softcap", "sinks", "cache_leftpad")})
             return decode(q, k, v, **kwargs)
 
         monkeypatch.setattr(ext, "attention", counted_attention)
@@ -202,7 +202,11 @@ def test_greedy_generation_matches_eager_and_decodes_through_exattn(llama, calls
         assert q_shape == (2, 4, 1, 16) and k_shape == (2, 2, PROMPT_LEN + 1 + step // layers, 16)
 
 
-def test_left_padded_generation_matches_eager(llama, calls):
+@pytest.mark.parametrize("through_decode", [True, False], ids=["decode", "segment-ids"])
+def test_left_padded_generation_matches_eager(llama, calls, through_decode, monkeypatch):
+    """Left-padded steps go to exattn.decode with cache_leftpad where `decode_serves_left_padding` (CUDA;
+    forced here), else to exattn.attention with the padding as segment ids."""
+    monkeypatch.setattr(ext, "decode_serves_left_padding", lambda query: through_decode)
     input_ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(2))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, :4] = 0
@@ -210,12 +214,16 @@ def test_left_padded_generation_matches_eager(llama, calls):
     eager_tokens, _ = generate(llama, "eager", input_ids, attention_mask)
     tokens, _ = generate(llama, "exattn", input_ids, attention_mask)
     assert torch.equal(tokens, eager_tokens)
-    # padding is in every step's keys, so every step runs exattn.attention, with the padding as segment
-    # ids (real tokens 0, padding 1) and no mask built
-    assert len(calls.attention) == STEPS * llama.config.num_hidden_layers and not calls.decode and not calls.built
-    assert all(mask is None for _, _, mask in calls.attention)
+    # the prefill runs exattn.attention with the padding as segment ids (real tokens 0, padding 1); every
+    # later step exattn.decode with the left padding as cache_leftpad, or exattn.attention again; no mask
+    layers = llama.config.num_hidden_layers
+    attention_calls = layers if through_decode else STEPS * layers
+    assert len(calls.attention) == attention_calls and len(calls.decode) == STEPS * layers - attention_calls
+    assert all(mask is None for _, _, mask in calls.attention) and not calls.built
+    prefill, steps = calls.options[:layers], calls.options[layers:]
     assert all(options["segment_ids"][1][0].tolist()[:5] == [1, 1, 1, 1, 0] and not options["segment_ids"][0].any()
-               for options in calls.options)
+               for options in (calls.options if not through_decode else prefill))
+    assert all(options["cache_leftpad"].tolist() == [4, 0] for options in steps if through_decode)
 
 
 def rule_of(mask, q_length: int) -> torch.Tensor:
@@ -236,6 +244,17 @@ def assert_padding_rule(mask, kwargs):
     expected = sdpa_mask(**kwargs, allow_is_causal_skip=False)
     assert isinstance(mask, ext.DeferredMask) and not mask.packed and torch.equal(mask.build(), expected)
     assert torch.equal(rule_of(mask, kwargs["q_length"]).expand_as(expected), expected)
+
+
+def test_left_padding_is_counted_only_where_it_leads_every_row():
+    def padding_rule(keys):
+        real = torch.tensor(keys)
+        return ext.exattn_mask(real.shape[0], 1, real.shape[1], q_offset=real.shape[1] - 1, attention_mask=real,
+                               dtype=torch.float32, device="cpu")
+
+    assert padding_rule([[0, 0, 1, 1], [1, 1, 1, 1]]).left_padding.tolist() == [2, 0]
+    assert padding_rule([[1, 1, 0, 0], [1, 1, 1, 1]]).left_padding is None  # right padding
+    assert padding_rule([[0, 1, 0, 1], [1, 1, 1, 1]]).left_padding is None
 
 
 def test_mask_function_skips_only_plain_bottom_right_causal():
@@ -749,10 +768,11 @@ def test_sliding_softcap_sink_models_generate_like_eager(family, calls):
     assert min(keys[layers:]) == 8  # the sliding layer's cache: w - 1 kept keys + the new token
 
 
-def test_left_padded_sliding_generation_matches_eager(calls):
-    """Padding: while it is in a layer's keys the layer runs exattn.attention with it as segment ids (and
-    the sliding layer's window), no mask built; once it has left the sliding window (transformers passes
-    no mask), that layer's steps go through exattn.decode."""
+def test_left_padded_sliding_generation_matches_eager(calls, monkeypatch):
+    """Padding: the prefill runs exattn.attention with it as segment ids (and the sliding layer's window),
+    every later step exattn.decode with it as cache_leftpad while it is in a layer's keys, and plain
+    exattn.decode once it has left the sliding window (transformers passes no mask); no mask is built."""
+    monkeypatch.setattr(ext, "decode_serves_left_padding", lambda query: True)  # as on CUDA
     model = sliding_model("gemma2")
     input_ids = torch.randint(3, 128, (2, SLIDING_PROMPT), generator=torch.Generator().manual_seed(3))
     attention_mask = torch.ones_like(input_ids)
@@ -763,10 +783,14 @@ def test_left_padded_sliding_generation_matches_eager(calls):
     assert torch.equal(tokens, eager_tokens)
     torch.testing.assert_close(scores, eager_scores, rtol=0, atol=1e-4)
     assert len(calls.attention) + len(calls.decode) == STEPS * model.config.num_hidden_layers
-    assert not calls.built and calls.decode and all(mask is None for _, _, mask in calls.attention)
+    layers = model.config.num_hidden_layers
+    assert len(calls.attention) == layers and not calls.built and all(mask is None for _, _, mask in calls.attention)
     segments = [options["segment_ids"] for options in calls.options if "segment_ids" in options]
     assert len(segments) == len(calls.attention) and all(ids is not None for ids in segments)
     assert calls.options[0]["window"] == (7, 0)  # the sliding layer's prefill
+    steps = calls.options[layers:]  # the sliding layer's, then the full layer's, each step
+    assert all(options["cache_leftpad"] is None for options in steps[0::2])  # its window holds no padding
+    assert all(options["cache_leftpad"].tolist() == [5, 0] for options in steps[1::2])
 
 
 # ---------------------------------------------------------------- torch.compile(fullgraph=True)

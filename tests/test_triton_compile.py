@@ -67,7 +67,7 @@ def recorded_decode_launches(paged: bool, merge_in_split: bool = False, page_str
     tensors, contiguous or with 16-key pages, merged by the combine kernel or in the split kernel
     (throwaway process, as `recorded_launches`). `page_stride`: paged caches of that page stride
     (meta tensors, never read: a stride past int32, or 1, which the launch makes a constant).
-    `rules`: every score rule on (window, softcap, ALiBi, sinks); `validate`: the launch records
+    `rules`: every score rule on (window, softcap, ALiBi, sinks, left padding); `validate`: the launch records
     invalid lengths and pages."""
     recorders = {kind: RecordedLaunch() for kind in DECODE_KERNELS}
     for kind, name in DECODE_KERNELS.items():
@@ -85,6 +85,7 @@ def recorded_decode_launches(paged: bool, merge_in_split: bool = False, page_str
     config = decode_kernel.default_config(8, 96, 96)._replace(merge_in_split=merge_in_split)
     score_rules = decode_kernel.DecodeRules(
         window_left=100, softcap=30.0, alibi_slopes=torch.rand(8).expand(2, 8), sinks=torch.randn(8),
+        leftpad=torch.tensor([5, 40], dtype=torch.int32),
     ) if rules else decode_kernel.NO_RULES
     decode_kernel.decode_forward(q, k, v, seqlens, table, 0.1, num_splits=num_splits, config=config,
                                  rules=score_rules, validate=validate)

@@ -10,12 +10,15 @@ the `L = cache_seqlens[b]` valid keys; for Nq = 3, L = 6 (`x` = allowed):
     t1    x x x x x .
     t2    x x x x x x
 
+With `cache_leftpad` (FlashAttention's), sequence b's keys start at `cache_leftpad[b]`: the keys
+before it (a batch of prompts padded on the left) are left out, positions unchanged.
+
 Backends: "triton" (the split and combine kernels of
 `backends/triton/decode_kernel.py`, CUDA), "tiled" (`tiled_forward` per split,
 any device), "auto" (triton on CUDA, else tiled). Under `torch.compile` each path
 runs as an opaque custom op, `exattn::decode_triton` or `exattn::decode_tiled` (`DECODE_OPS`).
 
-Validation: the Triton path checks lengths and page ids in its kernels and reports
+Validation: the Triton path checks lengths, left paddings and page ids in its kernels and reports
 through `exattn.errors` (no device sync); the tiled path reads them on the host.
 """
 
@@ -53,6 +56,8 @@ class DecodeProblem:
     (num_pages, Hk, page_size, Dv), block_table int32 (B, max_pages).
     seqlens: int32 (B,) on q's device, not yet checked against Nq and the cache: `validate` says
     whether the backend does (`check_lengths`, or the kernels through `exattn.errors`).
+    leftpad: int32 (B,) on q's device or None: each sequence's first key, checked likewise against
+    [0, seqlens[b]].
     """
 
     q: torch.Tensor
@@ -66,6 +71,7 @@ class DecodeProblem:
     softcap: float = 0.0
     rules: ScoreRules | None = None
     validate: bool = True
+    leftpad: torch.Tensor | None = None
 
     @property
     def key_span(self) -> int:
@@ -80,6 +86,7 @@ class DecodeProblem:
         """The keywords beyond plain causal decoding that are on (`window`, `softcap`, ...)."""
         names = ["window"] if self.window_left != UNBOUNDED else []
         names += ["softcap"] if self.softcap else []
+        names += ["cache_leftpad"] if self.leftpad is not None else []
         return names + ([] if self.rules is None else self.rules.in_use())
 
     @property
@@ -154,12 +161,17 @@ def check_lengths(problem: DecodeProblem) -> None:
     lens, len_q, capacity = problem.seqlens, problem.q.shape[2], problem.capacity
     if lens.numel() == 0:
         return
-    stats = [lens.min(), lens.max()]
+    leftpad_ok = torch.ones_like(lens, dtype=torch.bool) if problem.leftpad is None else (
+        (problem.leftpad >= 0) & (problem.leftpad <= lens))
+    stats = [lens.min(), lens.max(), leftpad_ok.all()]
     if problem.paged and problem.block_table.numel():
         used = used_pages(problem)
         table = problem.block_table
         stats += [torch.where(used, table, 0).min(), torch.where(used, table, 0).max()]
-    low, high, *pages = torch.stack(stats).tolist()
+    low, high, leftpads_ok, *pages = torch.stack(stats).tolist()
+    if not leftpads_ok:
+        b = int(torch.nonzero(~leftpad_ok)[0])
+        raise ValueError(errors.leftpad_out_of_range(b, int(problem.leftpad[b]), int(lens[b])))
     if low < len_q:
         b = int(torch.nonzero(lens < len_q)[0])
         raise ValueError(errors.length_below_queries(b, int(lens[b]), len_q))
@@ -181,7 +193,7 @@ def used_pages(problem: DecodeProblem) -> torch.Tensor:
 
 
 def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate,
-                        window=None, softcap=0.0, alibi_slopes=None, sinks=None) -> DecodeProblem:
+                        window=None, softcap=0.0, alibi_slopes=None, sinks=None, cache_leftpad=None) -> DecodeProblem:
     q = check_tensor("q", q, 4)
     k_cache, v_cache = check_tensor("k_cache", k_cache, 4), check_tensor("v_cache", v_cache, 4)
     check_same_dtype_device(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -199,6 +211,8 @@ def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, 
     if cache_seqlens is None:
         cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
     check_int_tensor("cache_seqlens", cache_seqlens, (batch,), q)
+    if cache_leftpad is not None:
+        check_int_tensor("cache_leftpad", cache_leftpad, (batch,), q)
     check_bool("validate", validate)
     rules = check_score_rules(batch=batch, heads_q=q.shape[1], len_q=len_q, len_k=capacity, device=q.device,
                               dtype=q.dtype, alibi_slopes=alibi_slopes, sinks=sinks)
@@ -206,6 +220,7 @@ def make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, 
         q=q, k_cache=k_cache, v_cache=v_cache, seqlens=cache_seqlens, block_table=block_table,
         scale=check_scale(scale, q.shape[3]), num_splits=check_num_splits(num_splits),
         window_left=check_window(window, True)[0], softcap=check_softcap(softcap), rules=rules, validate=validate,
+        leftpad=cache_leftpad,
     )
 
 
@@ -425,7 +440,7 @@ def run_kept(signature, known, q, k_cache, v_cache, cache_seqlens, block_table, 
         tensors = [q, k_cache, v_cache, cache_seqlens]
         tensors += [x for x in (block_table, sinks) if x is not None]
         return kept.plan.run(tensors)
-    op_args = (q, k_cache, v_cache, cache_seqlens, block_table, None, sinks, *options, validate)
+    op_args = (q, k_cache, v_cache, cache_seqlens, block_table, None, sinks, None, *options, validate)
     result = run_triton_op(*op_args)
     kept = replayed_plan_and_launch().plan_for(*op_args)
     if kept is not None:
@@ -447,12 +462,12 @@ def replayed_plan_and_launch():
     return replayable(replay_key, lambda q, *rest: replays(q, 0.0))(plan_and_launch)
 
 
-def plan_and_launch(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale, num_splits,
+def plan_and_launch(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, leftpad, scale, num_splits,
                     window_left, softcap, validate) -> tuple[torch.Tensor, torch.Tensor]:
     from .backends.triton import decode_kernel
     from .backends.triton.passes import settings
 
-    problem = problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale,
+    problem = problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, leftpad, scale,
                                    num_splits, window_left, softcap, validate)
     config, num_splits = triton_plan(problem)
     if config.gluon and settings.use_gluon:
@@ -464,7 +479,8 @@ def plan_and_launch(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sin
                                         problem.scale, num_splits, validate=problem.validate,
                                         window_left=problem.window_left)
     rules = problem.rules or ScoreRules()
-    kernel_rules = decode_kernel.DecodeRules(problem.window_left, problem.softcap, rules.alibi_slopes, rules.sinks)
+    kernel_rules = decode_kernel.DecodeRules(problem.window_left, problem.softcap, rules.alibi_slopes, rules.sinks,
+                                             problem.leftpad)
     return decode_kernel.decode_forward(
         problem.q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table,
         problem.scale, num_splits, config, kernel_rules, problem.validate,
@@ -489,8 +505,8 @@ def split_keys(problem: DecodeProblem, lo: int, hi: int) -> tuple[torch.Tensor, 
 
 
 def split_mask(problem: DecodeProblem, lo: int, hi: int) -> torch.Tensor:
-    """What the new tokens may see of keys [lo, hi): bool (B, 1, Nq, n) (lengths, causal, window),
-    or with ALiBi the float bias (B, Hq, Nq, n), -inf where not allowed."""
+    """What the new tokens may see of keys [lo, hi): bool (B, 1, Nq, n) (lengths, causal, window, left
+    padding), or with ALiBi the float bias (B, Hq, Nq, n), -inf where not allowed."""
     lens, len_q = problem.seqlens, problem.q.shape[2]
     token = torch.arange(len_q, device=lens.device)
     key = torch.arange(lo, hi, device=lens.device)
@@ -498,6 +514,8 @@ def split_mask(problem: DecodeProblem, lo: int, hi: int) -> torch.Tensor:
     allowed = key <= position
     if problem.window_left != UNBOUNDED:
         allowed &= key >= position - problem.window_left
+    if problem.leftpad is not None:
+        allowed &= key >= problem.leftpad[:, None, None, None]
     if problem.rules is None or problem.rules.alibi_slopes is None:
         return allowed
     slopes = problem.rules.alibi_slopes.to(compute_dtype(problem.q.dtype))[:, :, None, None]
@@ -519,27 +537,32 @@ def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """`tiled_forward` on the splits, as many at once as SPLIT_ELEMENTS allows (folded into the batch, so
     each is still summarized alone; a mask carries the lengths, the causal rule, the window and ALiBi),
     each such batch of two or more merged by `merge_stacked` and the batches by `merge_states` in the
-    compute dtype, then the sinks. Syncs once to read the shortest and longest lengths. Validated, it
-    checks lengths and pages on the host first (`check_lengths`); either way it reads them clamped as the
-    kernels do (`clamped`)."""
+    compute dtype, then the sinks. The keys every sequence holds are read in place; where some sequence
+    holds none (past its length, before its left padding) the splits take copies with those slots zeroed
+    (`key_ranges`). Syncs once to read the lengths' range and the longest left padding. Validated, it
+    checks lengths, left paddings and pages on the host first (`check_lengths`); either way it reads them
+    clamped as the kernels do (`clamped`)."""
     if problem.validate:
         check_lengths(problem)
     problem = clamped(problem)
     q, lens = problem.q, problem.seqlens
     batch, heads_q, len_q, dim = q.shape
     heads_k, dim_v = problem.v_cache.shape[1], problem.v_cache.shape[3]
-    shortest, longest = torch.stack(lens.aminmax()).tolist()
+    first_key = lens.new_zeros(()) if problem.leftpad is None else problem.leftpad.max()
+    shortest, longest, first_key = torch.stack([*lens.aminmax(), first_key]).tolist()
     chunk = max(1, split_chunk(longest, max(1, problem.num_splits), problem.page_size))  # 0 keys: no split
     per_key = batch * max(heads_q * len_q, heads_k * (dim + dim_v))
-    together = max(1, SPLIT_ELEMENTS // max(1, per_key * chunk))
     params = AttentionParams(scale=problem.scale, softcap=problem.softcap)
     q_acc = q.to(compute_dtype(q.dtype))
     out = lse = None
-    for lo in range(0, longest, together * chunk):
-        hi = min(lo + together * chunk, longest)
-        states = split_states(problem, q_acc, lo, hi, chunk, hi <= shortest, params)
-        merged = merge_stacked(*states, 1) if states[1].shape[1] > 1 else (states[0][:, 0], states[1][:, 0])
-        out, lse = merged if out is None else merge_states(out, lse, *merged)
+    for start, stop, in_use in key_ranges(longest, first_key, shortest, problem.page_size):
+        range_chunk = min(chunk, math.ceil((stop - start) / problem.page_size) * problem.page_size)
+        together = max(1, SPLIT_ELEMENTS // max(1, per_key * range_chunk))
+        for lo in range(start, stop, together * range_chunk):
+            hi = min(lo + together * range_chunk, stop)
+            states = split_states(problem, q_acc, lo, hi, range_chunk, in_use, params)
+            merged = merge_stacked(*states, 1) if states[1].shape[1] > 1 else (states[0][:, 0], states[1][:, 0])
+            out, lse = merged if out is None else merge_states(out, lse, *merged)
     if out is None:  # no sequence holds a key
         out = q_acc.new_zeros(batch, heads_q, len_q, dim_v)
         lse = q_acc.new_full((batch, heads_q, len_q), NEG_INF)
@@ -548,25 +571,49 @@ def run_tiled(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     return out.to(q.dtype), lse
 
 
+def key_ranges(longest: int, first_key: int, shortest: int, align: int) -> list[tuple[int, int, bool]]:
+    """Keys [0, longest) as ranges (start, stop, every sequence holds them), cut at multiples of `align`
+    (a paged cache's page size): the keys from the last left padding (`first_key`) to the shortest
+    length, which every sequence holds, and the edges around them."""
+    held_from = math.ceil(first_key / align) * align
+    held_to = shortest // align * align
+    if held_from >= held_to:
+        return [(0, longest, False)] if longest else []
+    ranges = ((0, held_from, False), (held_from, held_to, True), (held_to, longest, False))
+    return [(start, stop, held) for start, stop, held in ranges if stop > start]
+
+
 def split_states(problem: DecodeProblem, q_acc: torch.Tensor, lo: int, hi: int, chunk: int, in_use: bool,
                  params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, S, Hq, Nq, Dv), lse (B, S, Hq, Nq)) of keys [lo, hi) cut into S splits of `chunk` keys,
     the last one padded with masked keys: one `tiled_forward` with the splits folded into the batch.
-    in_use: every sequence holds keys [lo, hi)."""
+    in_use: every sequence holds keys [lo, hi). Where some does not, its stale slots are zeroed in copies
+    of the keys and values, unless the mask is boolean and the stale values are finite (`finite_at`): the
+    mask then sets a stale key's score to -inf whatever it holds, and its value weighs exactly 0 in place
+    (a bias, ALiBi's, would add -inf to a score that may be inf or NaN)."""
     batch, heads_q, len_q, _ = q_acc.shape
     parts = math.ceil((hi - lo) / chunk)
     k, v = split_keys(problem, lo, hi)
     slots = torch.arange(lo, lo + parts * chunk, device=q_acc.device).view(parts, chunk)
-    stale = slots >= problem.seqlens[:, None, None]  # (B, S, chunk): past a length, or padding
+    stale = (slots >= hi) | (slots >= problem.seqlens[:, None, None])  # (B, S, chunk): padding, past a length
+    if problem.leftpad is not None:  # or before a sequence's first key
+        stale |= slots < problem.leftpad[:, None, None]
     mask = split_mask(problem, lo, hi).expand(batch, heads_q, len_q, hi - lo)
     padding = parts * chunk - (hi - lo)
     if padding:
         mask = torch.nn.functional.pad(mask, (0, padding), value=False if mask.dtype == torch.bool else NEG_INF)
     mask_parts = mask.unflatten(3, (parts, chunk)).permute(0, 3, 1, 2, 4).flatten(0, 1)
     q_parts = q_acc.unsqueeze(1).expand(batch, parts, *q_acc.shape[1:]).flatten(0, 1)
-    k, v = (folded_keys(x, None if in_use and not padding else stale, parts, chunk) for x in (k, v))
+    read_in_place = not padding and (in_use or mask.dtype == torch.bool and finite_at(stale.flatten(1)[:, :hi - lo], v))
+    k, v = (folded_keys(x, None if read_in_place else stale, parts, chunk) for x in (k, v))
     out, lse = tiled_forward(q_parts, k, v, mask_parts, params)
     return out.unflatten(0, (batch, parts)), lse.unflatten(0, (batch, parts))
+
+
+def finite_at(slots: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether x (B, H, n, D) holds only finite numbers at the bool (B, n) `slots` (one reduction, no copy;
+    a host sync). A sum that overflows counts as not finite."""
+    return bool(torch.isfinite(x.sum((1, 3), dtype=torch.float32)[slots]).all())
 
 
 def folded_keys(x: torch.Tensor, stale: torch.Tensor | None, parts: int, chunk: int) -> torch.Tensor:
@@ -588,12 +635,16 @@ def folded_keys(x: torch.Tensor, stale: torch.Tensor | None, parts: int, chunk: 
 
 
 def clamped(problem: DecodeProblem) -> DecodeProblem:
-    """The problem with lengths clamped to [0, capacity] and page ids to [0, num_pages), as the
-    kernels read them: with validate=False nothing outside the caches is read either."""
+    """The problem with lengths clamped to [0, capacity], left paddings to [0, length] and page ids to
+    [0, num_pages), as the kernels read them: with validate=False nothing outside the caches is read either."""
     table = problem.block_table
     if table is not None:
         table = table.clamp(0, problem.k_cache.shape[0] - 1)
-    return dataclasses.replace(problem, seqlens=problem.seqlens.clamp(0, problem.capacity), block_table=table)
+    seqlens = problem.seqlens.clamp(0, problem.capacity)
+    leftpad = problem.leftpad
+    if leftpad is not None:
+        leftpad = torch.minimum(leftpad.clamp_min(0), seqlens)
+    return dataclasses.replace(problem, seqlens=seqlens, block_table=table, leftpad=leftpad)
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -606,10 +657,11 @@ def define_decode_op(backend: str, run):
     def impl(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
         block_table: torch.Tensor | None, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
-        scale: float, num_splits: int, window_left: int, softcap: float, validate: bool,
+        leftpad: torch.Tensor | None, scale: float, num_splits: int, window_left: int, softcap: float,
+        validate: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return run(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale, num_splits, window_left,
-                   softcap, validate)
+        return run(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, leftpad, scale, num_splits,
+                   window_left, softcap, validate)
 
     op = torch.library.custom_op(f"exattn::decode_{backend}", impl, mutates_args=())
 
@@ -620,21 +672,22 @@ def define_decode_op(backend: str, run):
     return op
 
 
-def problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, scale, num_splits,
+def problem_from_op_args(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, sinks, leftpad, scale, num_splits,
                          window_left, softcap, validate) -> DecodeProblem:
     """The `DecodeProblem` of `decode_op_args`' arguments."""
     rules = ScoreRules(alibi_slopes=alibi_slopes, sinks=sinks)
     return DecodeProblem(
         q=q, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens, block_table=block_table, scale=scale,
         num_splits=num_splits, window_left=window_left, softcap=softcap, rules=rules if rules.in_use() else None,
-        validate=validate,
+        validate=validate, leftpad=leftpad,
     )
 
 
 def decode_op_args(problem: DecodeProblem) -> tuple:
     rules = problem.rules or ScoreRules()
     return (problem.q, problem.k_cache, problem.v_cache, problem.seqlens, problem.block_table, rules.alibi_slopes,
-            rules.sinks, problem.scale, problem.num_splits, problem.window_left, problem.softcap, problem.validate)
+            rules.sinks, problem.leftpad, problem.scale, problem.num_splits, problem.window_left, problem.softcap,
+            problem.validate)
 
 
 def run_tiled_op(*op_args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -655,6 +708,7 @@ def decode(
     scale: float | None = ..., num_splits: int = ..., return_lse: Literal[False] = ...,
     backend: str = ..., validate: bool = ..., window: tuple[int, int] | None = ..., softcap: float = ...,
     alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    cache_leftpad: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -665,13 +719,14 @@ def decode(
     scale: float | None = ..., num_splits: int = ..., return_lse: Literal[True],
     backend: str = ..., validate: bool = ..., window: tuple[int, int] | None = ..., softcap: float = ...,
     alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    cache_leftpad: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def decode(
     q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, scale=None,
     num_splits=0, return_lse=False, backend="auto", validate=True, window=None, softcap=0.0,
-    alibi_slopes=None, sinks=None,
+    alibi_slopes=None, sinks=None, cache_leftpad=None,
 ):
     """Attention of Nq new tokens over a KV cache (split-KV, exact).
 
@@ -689,7 +744,8 @@ def decode(
             independently and merged exactly; 0 lets the backend choose.
         return_lse: also return lse (B, Hq, Nq), natural log, float32.
         backend: "auto" (triton on CUDA, else tiled), "triton" or "tiled".
-        validate: check each length against [Nq, capacity] and each used page id against
+        validate: check each length against [Nq, capacity], each left padding against [0, length]
+            and each used page id against
             [0, num_pages), without a device sync on the Triton path: its kernels record the
             first violation, and it surfaces as a ValueError naming the sequence at the first
             validated call that starts after that kernel finished, or at
@@ -706,6 +762,14 @@ def decode(
         softcap, alibi_slopes, sinks: as in `attention` (ALiBi's distance is between the
             token's position and the key's; the sink joins each row's softmax once, and lse
             includes it). All four run in the Triton decode kernels and on the tiled backend.
+        cache_leftpad: int32 (B,), where each sequence's keys start (FlashAttention's name): keys
+            j < cache_leftpad[b] are left out, as the left padding of a batch of prompts; what a
+            token may see of the rest is unchanged (its position stays cache_seqlens[b] - Nq + t, and
+            ALiBi's distances and the window count from it). Each must lie in [0, cache_seqlens[b]];
+            a token that sees no key gets zeros (and lse -inf, or the sink's). Those slots may hold
+            anything, NaN included: they are never read (a paged cache's block_table still names
+            valid pages there). Runs in the Triton decode kernels (not the Gluon one) and on the
+            tiled backend.
 
     Under `torch.compile` (fullgraph=True, any mode, "reduce-overhead" included, dynamic shapes too)
     the Triton path runs as the opaque custom op `exattn::decode_triton`. validate=True needs no sync
@@ -718,7 +782,8 @@ def decode(
     """
     check_bool("return_lse", return_lse)
     signature = None
-    if cache_seqlens is not None and alibi_slopes is None and not torch.compiler.is_compiling():
+    if (cache_seqlens is not None and alibi_slopes is None and cache_leftpad is None
+            and not torch.compiler.is_compiling()):
         signature = call_signature("decode", (q, k_cache, v_cache, cache_seqlens, block_table, sinks), window,
                                    (scale, num_splits, validate, softcap, backend))
         known = known_call(signature)
@@ -726,7 +791,7 @@ def decode(
             out, lse = run_kept(signature, known, q, k_cache, v_cache, cache_seqlens, block_table, sinks, validate)
             return (out, lse.to(torch.float32)) if return_lse else out
     problem = make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate,
-                                  window, softcap, alibi_slopes, sinks)
+                                  window, softcap, alibi_slopes, sinks, cache_leftpad)
     name = choose_decode_backend(problem, backend)
     if name == "triton" and q.shape[0] > 0:
         remember(signature, ((problem.scale, problem.num_splits, problem.window_left, problem.softcap), None))

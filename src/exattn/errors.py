@@ -1,9 +1,10 @@
 """Input errors the decode kernels find on the device, raised on the host without a device sync.
 
 With `validate=True` the decode kernels check every sequence's length
-(`Nq <= cache_seqlens[b] <= capacity`) and every page id they would read
-(`0 <= block_table[b, p] < num_pages`). Whatever they find, they clamp (so nothing
-outside the caches is read) and record: the first violation on a device claims a
+(`Nq <= cache_seqlens[b] <= capacity`), its start (`0 <= cache_leftpad[b] <=
+cache_seqlens[b]`) and every page id they would read (`0 <= block_table[b, p] <
+num_pages`). Whatever they find, they clamp (so nothing outside the caches is
+read) and record: the first violation on a device claims a
 persistent int32 record there (an atomic compare-and-swap of its flag), fills it in,
 and sets a doorbell, one int32 in host memory that the device writes directly (pinned
 and mapped into the GPU's address space). Reading the doorbell is a host memory read:
@@ -29,7 +30,7 @@ import torch
 FLAG, KIND, INDEX, SLOT, VALUE, BOUND, PAGE_SIZE = range(7)
 RECORD_SIZE = 8
 # KIND values.
-LENGTH_BELOW_NQ, LENGTH_BEYOND_CACHE, PAGE_OUT_OF_RANGE = 1, 2, 3
+LENGTH_BELOW_NQ, LENGTH_BEYOND_CACHE, PAGE_OUT_OF_RANGE, LEFTPAD_OUT_OF_RANGE = 1, 2, 3, 4
 
 
 class DeviceRecord(NamedTuple):
@@ -124,6 +125,8 @@ def describe(values: list[int]) -> str:
         return length_below_queries(b, value, bound)
     if kind == LENGTH_BEYOND_CACHE:
         return length_beyond_cache(b, value, bound, values[PAGE_SIZE])
+    if kind == LEFTPAD_OUT_OF_RANGE:
+        return leftpad_out_of_range(b, value, bound)
     return page_out_of_range(b, values[SLOT], value, bound)
 
 
@@ -142,3 +145,8 @@ def length_beyond_cache(b: int, length: int, capacity: int, page_size: int) -> s
 def page_out_of_range(b: int, slot: int, page: int, num_pages: int) -> str:
     return (f"block_table[{b}, {slot}] = {page} is not a page of k_cache "
             f"(expected 0 <= page < num_pages = {num_pages})")
+
+
+def leftpad_out_of_range(b: int, leftpad: int, length: int) -> str:
+    return (f"cache_leftpad[{b}] = {leftpad} is outside [0, cache_seqlens[{b}] = {length}]: a sequence's keys "
+            "start at its left padding and end at its length")

@@ -35,13 +35,16 @@ Score rules (`DecodeRules`), applied to the base-2 scores in the SPEC's order: s
 bound (`j >= L - Nq + t - left`). With a window the splits cover only the keys some row may see,
 `[start, L)` with `start = floor((L - Nq - left) / BLOCK_N) * BLOCK_N` (at least 0), by the split
 rule above (`chunk = ceil(ceil((L - start) / S) / BLOCK_N) * BLOCK_N`): a 4k window over a 128k
-cache reads about 4k keys. The sinks join the softmax once, in the pass that writes the final result
+cache reads about 4k keys. A sequence's left padding (`cache_leftpad`, FlashAttention's) leaves out its
+keys `j < leftpad` the same way: the splits cover `[start, L)` from the block holding the first key, and the
+keys before it are neither loaded nor allowed. The sinks join the softmax once, in the pass that writes the final result
 (the split kernel's epilogue with one split, else the merge): a virtual split of lse `sinks[h]` and
 output 0.
 
 Inputs are never trusted for addresses: each length is clamped to `[0, capacity]` and each page id
 to `[0, num_pages)` before use. With VALIDATE the kernels also record the first violation
-(`exattn.errors`): a length below Nq or beyond the cache (split 0 of each sequence) and a page id
+(`exattn.errors`): a length below Nq or beyond the cache and a left padding outside [0, L] (split 0 of
+each sequence) and a page id
 out of range (each split the page slots of its share of `[0, L)` by the split rule without a
 window, so every page a sequence uses is checked); the programs of K/V head 0 check.
 """
@@ -71,6 +74,7 @@ PAGE_SIZE_FIELD: tl.constexpr = tl.constexpr(errors.PAGE_SIZE)
 LENGTH_BELOW_NQ: tl.constexpr = tl.constexpr(errors.LENGTH_BELOW_NQ)
 LENGTH_BEYOND_CACHE: tl.constexpr = tl.constexpr(errors.LENGTH_BEYOND_CACHE)
 PAGE_OUT_OF_RANGE: tl.constexpr = tl.constexpr(errors.PAGE_OUT_OF_RANGE)
+LEFTPAD_OUT_OF_RANGE: tl.constexpr = tl.constexpr(errors.LEFTPAD_OUT_OF_RANGE)
 NO_SLOT: tl.constexpr = tl.constexpr(2**31 - 1)
 CHECK_SLOTS: tl.constexpr = tl.constexpr(64)  # page ids one validation load reads
 MAX_ROWS = 64  # query rows (G * Nq) one program carries; more rows add row blocks
@@ -207,16 +211,19 @@ def _row_slopes(ALIBI, stride_ab, stride_ah, b, head, row_ok, HAS_ALIBI: tl.cons
 
 
 @triton.jit
-def _score_rules(s2, keys, last_key, window_left, softcap2, slopes,
-                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+def _score_rules(s2, keys, last_key, window_left, first_key, softcap2, slopes,
+                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                 HAS_LEFTPAD: tl.constexpr):
     """Base-2 scores of `keys` for rows whose own key is `last_key`: softcap, then ALiBi
-    (`tiles.score_mods` at distance last_key - key), then -inf where the causal rule or the
-    window's left bound leaves the key out."""
+    (`tiles.score_mods` at distance last_key - key), then -inf where the causal rule, the
+    window's left bound or the sequence's first key (`first_key`, its left padding) leaves the key out."""
     if HAS_SOFTCAP or HAS_ALIBI:
         s2, _ = score_mods(s2, last_key[:, None], keys[None, :], 0, 0, (softcap2, slopes), HAS_SOFTCAP, HAS_ALIBI)
     allowed = keys[None, :] <= last_key[:, None]
     if HAS_WINDOW:
         allowed = allowed & (keys[None, :] >= last_key[:, None] - window_left)
+    if HAS_LEFTPAD:
+        allowed = allowed & (keys[None, :] >= first_key)
     return tl.where(allowed, s2, float("-inf"))
 
 
@@ -249,17 +256,21 @@ def _check_pages(ERRORS, DOORBELL, row, b, lo, hi, stride_tp, num_pages, PAGE_SI
 
 
 @triton.jit
-def _check_sequence(ERRORS, DOORBELL, BT, stride_tb, stride_tp, b, hk, given, length, split, num_splits, len_q,
-                    capacity, num_pages, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+def _check_sequence(ERRORS, DOORBELL, BT, stride_tb, stride_tp, b, hk, given, length, given_first, split, num_splits,
+                    len_q, capacity, num_pages, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    HAS_LEFTPAD: tl.constexpr):
     """The programs of K/V head 0 (first row block) record sequence b's length `given` if outside
-    [Nq, capacity] (split 0), and, paged, any bad page id of this split's share of [0, length) (the
-    split rule without a window)."""
+    [Nq, capacity] and its left padding `given_first` if outside [0, given] (split 0), and, paged, any
+    bad page id of this split's share of [0, length) (the split rule without a window)."""
     checks = (hk == 0) & (tl.program_id(2) == 0)
     if checks & (split == 0):
         if given < len_q:
             _record(ERRORS, DOORBELL, LENGTH_BELOW_NQ, b, 0, given, len_q, 0)
         if given > capacity:
             _record(ERRORS, DOORBELL, LENGTH_BEYOND_CACHE, b, 0, given, capacity, PAGE_SIZE if PAGED else 0)
+        if HAS_LEFTPAD:
+            if (given_first < 0) | (given_first > given):
+                _record(ERRORS, DOORBELL, LEFTPAD_OUT_OF_RANGE, b, 0, given_first, given, 0)
     if PAGED:
         lo, hi = _split_range(0, length, split, num_splits, BLOCK_N)
         if checks:
@@ -281,12 +292,13 @@ def decode_split_kernel(
     MERGE_ROWS: tl.constexpr = 0, MERGE_SPLITS: tl.constexpr = 0,
     window_left=0, softcap2=0.0, ALIBI=None, stride_ab=0, stride_ah=0, SINKS=None,
     HAS_WINDOW: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
-    HAS_SINKS: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False, LEFTPAD=None, HAS_LEFTPAD: tl.constexpr = False,
     ERRORS=None, DOORBELL=None, VALIDATE: tl.constexpr = False,
 ):
     """capacity: keys a sequence can hold; num_pages: pages of a paged cache. softcap2 = softcap * log2 e;
     ALIBI: slopes (B, Hq) with strides (stride_ab, stride_ah). HAS_SINKS: this launch writes the final
-    result (one split, or merged here) and folds in the sinks. VALIDATE: record violations at
+    result (one split, or merged here) and folds in the sinks. LEFTPAD: int32 (B,), each sequence's first
+    key (HAS_LEFTPAD). VALIDATE: record violations at
     ERRORS / DOORBELL (`exattn.errors`)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -297,6 +309,12 @@ def decode_split_kernel(
     start = 0
     if HAS_WINDOW:  # key blocks before every row's window are not split over, nor read
         start = tl.maximum(length - len_q - window_left, 0) // BLOCK_N * BLOCK_N
+    given_first = 0
+    first_key = 0
+    if HAS_LEFTPAD:  # nor those before the sequence's first key
+        given_first = tl.load(LEFTPAD + b)
+        first_key = tl.minimum(tl.maximum(given_first, 0), length)
+        start = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)
     lo, hi = _split_range(start, length, split, num_splits, BLOCK_N)
 
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -322,11 +340,14 @@ def decode_split_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs < hi
+        if HAS_LEFTPAD:  # the padding's slots are never loaded (they may hold NaN)
+            key_ok = key_ok & (offs >= first_key)
         next_base = _key_base(n0 + BLOCK_N, hi, b, BT, stride_tb, stride_tp, num_pages - 1, BLOCK_N, PAGED,
                               PAGE_SIZE)
         k = _key_tile(k_head, base, n0, key_ok, d, stride_kb, stride_kn, stride_kd, HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        s = _score_rules(s, offs, last_key, window_left, softcap2, slopes, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        s = _score_rules(s, offs, last_key, window_left, first_key, softcap2, slopes, HAS_WINDOW, HAS_SOFTCAP,
+                         HAS_ALIBI, HAS_LEFTPAD)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -347,8 +368,8 @@ def decode_split_kernel(
              mask=row_ok[:, None] & (dv[None, :] < VALUE_DIM))
     tl.store(LSE + out_row, lse, mask=row_ok)
     if VALIDATE:
-        _check_sequence(ERRORS, DOORBELL, BT, stride_tb, stride_tp, b, hk, given, length, split, num_splits, len_q,
-                        capacity, num_pages, BLOCK_N, PAGED, PAGE_SIZE)
+        _check_sequence(ERRORS, DOORBELL, BT, stride_tb, stride_tp, b, hk, given, length, given_first, split,
+                        num_splits, len_q, capacity, num_pages, BLOCK_N, PAGED, PAGE_SIZE, HAS_LEFTPAD)
     if MERGE_ROWS > 0:
         # The last split of this group to arrive merges them all; its arrival (after a barrier
         # behind every thread's stores) acquires the other splits' results.
@@ -427,12 +448,13 @@ def splits_per_load(rows: int, num_splits: int, value_dim: int) -> int:
 class DecodeRules(NamedTuple):
     """The score rules of a decode launch, each off by default. window_left: keys a token sees before its
     own (UNBOUNDED: all); softcap: > 0, or 0 for off; alibi_slopes: float32 (B, Hq) (any strides);
-    sinks: float32 (Hq,)."""
+    sinks: float32 (Hq,); leftpad: int32 (B,), each sequence's first key (FlashAttention's `cache_leftpad`)."""
 
     window_left: int = UNBOUNDED
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
+    leftpad: torch.Tensor | None = None
 
     def key_span(self, capacity: int, len_q: int) -> int:
         """Keys of one sequence the splits may cover: the capacity, or with a window the keys the
@@ -454,6 +476,8 @@ class DecodeRules(NamedTuple):
             args.update(ALIBI=self.alibi_slopes, stride_ab=stride_ab, stride_ah=stride_ah, HAS_ALIBI=True)
         if self.sinks is not None and final:
             args.update(SINKS=self.sinks, HAS_SINKS=True)
+        if self.leftpad is not None:
+            args.update(LEFTPAD=self.leftpad.contiguous(), HAS_LEFTPAD=True)
         return args
 
 
@@ -474,7 +498,8 @@ def decode_forward(q, k_cache, v_cache, seqlens, block_table, scale, num_splits,
     or paged caches (num_pages, Hk, page_size, D|Dv) with block_table int32 (B, max_pages).
     seqlens: int32 (B,), each in [Nq, capacity]; a length outside [0, capacity] is read as clamped
     into it, a page id outside [0, num_pages) likewise. num_splits >= 1. rules: the score rules.
-    validate: record lengths outside [Nq, capacity] and page ids out of range (`exattn.errors`).
+    validate: record lengths outside [Nq, capacity], left paddings outside [0, length] and page ids out
+    of range (`exattn.errors`).
     Returns out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) float32.
     """
     batch, heads_q, len_q, head_dim = q.shape
