@@ -189,20 +189,28 @@ def test_cuda_graph_capture_with_validate_false():
 @pytest.mark.parametrize("len_q", (1, 4))
 def test_rules_match_the_oracle(dtype, rules, layout, len_q, monkeypatch):
     """`backend="auto"` runs them in the Triton kernel (never the tiled path), planned splits and 1 and 7."""
-    from exattn.backends.triton import decode_kernel
-    from test_decode_rules import assert_rules_match, rule_kwargs
+    from test_decode_rules import rule_kwargs
 
     q, k, v, lens = make_case(3, 32, 8, len_q, 3000, 128, seed=len(rules) + len_q, lengths=[3000, 1001, len_q])
     q, k, v = (x.to(dtype) for x in (q, k, v))
     kwargs = rule_kwargs(rules, 32, 3, window=700, softcap=20.0)
     caches = (k, v, None) if layout == "contiguous" else paged(k, v, lens, 16)
+    assert_auto_runs_the_triton_kernel(monkeypatch, f"{rules} {layout}", q, caches, lens, (k, v), kwargs)
+
+
+def assert_auto_runs_the_triton_kernel(monkeypatch, name, q, caches, lens, clean_kv, kwargs, leftpad=None):
+    """`decode` with backend="auto" over planned splits and 1 and 7 runs the Triton decode kernel each time,
+    and matches the oracle over the clean keys and values (`assert_rules_match`)."""
+    from exattn.backends.triton import decode_kernel
+    from test_decode_rules import assert_rules_match
+
     runs = []
     real = decode_kernel.decode_forward
     monkeypatch.setattr(decode_kernel, "decode_forward", lambda *a, **kw: runs.append(1) or real(*a, **kw))
     for num_splits in (0, 1, 7):
         out, lse = exattn.decode(q, caches[0], caches[1], block_table=caches[2], cache_seqlens=lens,
-                                 num_splits=num_splits, return_lse=True, **kwargs)
-        assert_rules_match(f"{rules} {layout} splits={num_splits}", out, lse, q, k, v, lens, kwargs)
+                                 cache_leftpad=leftpad, num_splits=num_splits, return_lse=True, **kwargs)
+        assert_rules_match(f"{name} splits={num_splits}", out, lse, q, *clean_kv, lens, kwargs, leftpad=leftpad)
     assert len(runs) == 3, "auto did not take the Triton decode kernel"
     exattn.check_errors()
 
@@ -213,9 +221,6 @@ def test_rules_match_the_oracle(dtype, rules, layout, len_q, monkeypatch):
 def test_left_padding_matches_the_oracle(dtype, layout, capacity, monkeypatch):
     """`cache_leftpad` in the Triton kernel (40k keys would take the Gluon kernel without it); the padding's
     slots hold NaN; the last sequence keeps fewer keys than its new tokens."""
-    from exattn.backends.triton import decode_kernel
-    from test_decode_rules import assert_rules_match
-
     q, k, v, lens = make_case(3, 32, 8, 4, capacity, 128, seed=capacity, lengths=[capacity, 1001, 6])
     q, k, v = (x.to(dtype) for x in (q, k, v))
     leftpad = torch.tensor([capacity // 3, 1000, 3], dtype=torch.int32, device="cuda")
@@ -224,16 +229,8 @@ def test_left_padding_matches_the_oracle(dtype, layout, capacity, monkeypatch):
         k[b, :, :first] = float("nan")
         v[b, :, :first] = float("nan")
     caches = (k, v, None) if layout == "contiguous" else paged(k, v, lens, 16)
-    runs = []
-    real = decode_kernel.decode_forward
-    monkeypatch.setattr(decode_kernel, "decode_forward", lambda *a, **kw: runs.append(1) or real(*a, **kw))
-    for num_splits in (0, 1, 7):
-        out, lse = exattn.decode(q, caches[0], caches[1], block_table=caches[2], cache_seqlens=lens,
-                                 cache_leftpad=leftpad, num_splits=num_splits, return_lse=True)
-        assert_rules_match(f"leftpad {layout} splits={num_splits}", out, lse, q, clean_k, clean_v, lens, {},
-                           leftpad=leftpad)
-    assert len(runs) == 3, "auto did not take the Triton decode kernel"
-    exattn.check_errors()
+    assert_auto_runs_the_triton_kernel(monkeypatch, f"leftpad {layout}", q, caches, lens, (clean_k, clean_v), {},
+                                       leftpad=leftpad)
 
 
 @pytest.mark.parametrize("layout", ("contiguous", "paged"))
