@@ -196,6 +196,18 @@ def test_left_padding_leaves_out_the_keys_before_it(rules, layout, backend, dtyp
     exattn.check_errors()
 
 
+def test_a_signature_seen_before_takes_new_left_paddings():
+    """The second call of a signature runs the kept path (`checked_calls`): its new left paddings, not the
+    first call's, decide."""
+    q, k, v, lens, leftpad, clean_k, clean_v = left_padded_case(torch.float32)
+    for first in ([17, 70, 2], [0, 5, 1], [149, 0, 3]):
+        leftpad = torch.tensor(first, dtype=torch.int32, device=DEVICE)
+        out, lse = exattn.decode(q, clean_k, clean_v, cache_seqlens=lens, cache_leftpad=leftpad, return_lse=True,
+                                 backend="triton")
+        assert_rules_match(f"leftpad {first}", out, lse, q, clean_k, clean_v, lens, {}, leftpad=leftpad)
+    exattn.check_errors()
+
+
 @pytest.mark.parametrize("backend", ("tiled", "triton"))
 def test_a_left_padding_outside_its_sequence_is_refused(backend):
     q, k, v, lens = make_case(2, 2, 1, 1, 40, 8, torch.float32, seed=1, lengths=[40, 20])

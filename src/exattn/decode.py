@@ -431,16 +431,16 @@ def raise_recorded(q: torch.Tensor, validate: bool) -> None:
         errors.device_record(q.device)  # made before any recording, so a replay writes to it too
 
 
-def run_kept(signature, known, q, k_cache, v_cache, cache_seqlens, block_table, sinks, validate):
+def run_kept(signature, known, q, k_cache, v_cache, cache_seqlens, block_table, sinks, leftpad, validate):
     """A call whose signature `decode` checked before: `known` is (the checked options, the kept replay plan
     of its launches or None), the plan taken once there is one (`checked_calls`)."""
     options, kept = known
     if kept is not None and kept.current():
         raise_recorded(q, validate)
         tensors = [q, k_cache, v_cache, cache_seqlens]
-        tensors += [x for x in (block_table, sinks) if x is not None]
+        tensors += [x for x in (block_table, sinks, leftpad) if x is not None]
         return kept.plan.run(tensors)
-    op_args = (q, k_cache, v_cache, cache_seqlens, block_table, None, sinks, None, *options, validate)
+    op_args = (q, k_cache, v_cache, cache_seqlens, block_table, None, sinks, leftpad, *options, validate)
     result = run_triton_op(*op_args)
     kept = replayed_plan_and_launch().plan_for(*op_args)
     if kept is not None:
@@ -782,13 +782,12 @@ def decode(
     """
     check_bool("return_lse", return_lse)
     signature = None
-    if (cache_seqlens is not None and alibi_slopes is None and cache_leftpad is None
-            and not torch.compiler.is_compiling()):
-        signature = call_signature("decode", (q, k_cache, v_cache, cache_seqlens, block_table, sinks), window,
-                                   (scale, num_splits, validate, softcap, backend))
+    if cache_seqlens is not None and alibi_slopes is None and not torch.compiler.is_compiling():
+        tensors = (q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_leftpad)
+        signature = call_signature("decode", tensors, window, (scale, num_splits, validate, softcap, backend))
         known = known_call(signature)
         if known is not None:
-            out, lse = run_kept(signature, known, q, k_cache, v_cache, cache_seqlens, block_table, sinks, validate)
+            out, lse = run_kept(signature, known, *tensors, validate)
             return (out, lse.to(torch.float32)) if return_lse else out
     problem = make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate,
                                   window, softcap, alibi_slopes, sinks, cache_leftpad)
