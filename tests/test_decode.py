@@ -543,12 +543,13 @@ def test_the_decode_kernels_serve_every_rule_and_gluon_names_them():
 
     q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
     problem = make_decode_problem(q, k, v, None, None, None, 0, True, window=(2, 0), softcap=1.0,
-                                  alibi_slopes=torch.ones(2), sinks=torch.zeros(2))
-    assert problem.score_rules_in_use == ["window", "softcap", "alibi_slopes", "sinks"]
+                                  alibi_slopes=torch.ones(2), sinks=torch.zeros(2),
+                                  cache_leftpad=torch.ones(1, dtype=torch.int32))
+    assert problem.score_rules_in_use == ["window", "softcap", "cache_leftpad", "alibi_slopes", "sinks"]
     assert triton_reasons(problem) == []
     assert choose_decode_backend(problem, "triton") == "triton"
     refusal = gluon_decode_reasons(q, k, v, None, problem.score_rules_in_use)
-    assert "score rules (softcap, alibi_slopes, sinks) run on the Triton decode kernel" in refusal
+    assert "score rules (softcap, cache_leftpad, alibi_slopes, sinks) run on the Triton decode kernel" in refusal
     with pytest.raises(ValueError, match="softcap must be"):
         exattn.decode(q, k, v, softcap=-1.0)
     with pytest.raises(ValueError, match="sinks"):
