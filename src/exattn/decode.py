@@ -604,7 +604,7 @@ def split_states(problem: DecodeProblem, q_acc: torch.Tensor, lo: int, hi: int, 
         mask = torch.nn.functional.pad(mask, (0, padding), value=False if mask.dtype == torch.bool else NEG_INF)
     mask_parts = mask.unflatten(3, (parts, chunk)).permute(0, 3, 1, 2, 4).flatten(0, 1)
     q_parts = q_acc.unsqueeze(1).expand(batch, parts, *q_acc.shape[1:]).flatten(0, 1)
-    read_in_place = not padding and (in_use or mask.dtype == torch.bool and finite_at(stale.flatten(1)[:, :hi - lo], v))
+    read_in_place = not padding and (in_use or mask.dtype == torch.bool and finite_at(stale.flatten(1), v))
     k, v = (folded_keys(x, None if read_in_place else stale, parts, chunk) for x in (k, v))
     out, lse = tiled_forward(q_parts, k, v, mask_parts, params)
     return out.unflatten(0, (batch, parts)), lse.unflatten(0, (batch, parts))

@@ -288,7 +288,7 @@ def deferred_attention(query, key, value, rule: DeferredMask, scale, dropout, so
 def decode_serves_left_padding(query: torch.Tensor) -> bool:
     """Whether a left-padded decoding step goes to `exattn.decode` (`cache_leftpad`): on CUDA, whose split-KV
     kernels read each K/V head once for its query heads. The tiled backend's decode and its forward with
-    segment ids run the same products; there the forward read 1.18x faster (B = 4, Hq = 32, Hk = 8, 4k
+    segment ids run the same products; there the forward read 1.18-1.20x faster (B = 4, Hq = 32, Hk = 8, 4k
     keys, d = 128, fp32, the CPU of docs/performance.md)."""
     return query.is_cuda
 

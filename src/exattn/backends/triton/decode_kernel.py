@@ -35,18 +35,18 @@ Score rules (`DecodeRules`), applied to the base-2 scores in the SPEC's order: s
 bound (`j >= L - Nq + t - left`). With a window the splits cover only the keys some row may see,
 `[start, L)` with `start = floor((L - Nq - left) / BLOCK_N) * BLOCK_N` (at least 0), by the split
 rule above (`chunk = ceil(ceil((L - start) / S) / BLOCK_N) * BLOCK_N`): a 4k window over a 128k
-cache reads about 4k keys. A sequence's left padding (`cache_leftpad`, FlashAttention's) leaves out its
-keys `j < leftpad` the same way: the splits cover `[start, L)` from the block holding the first key, and the
-keys before it are neither loaded nor allowed. The sinks join the softmax once, in the pass that writes the final result
-(the split kernel's epilogue with one split, else the merge): a virtual split of lse `sinks[h]` and
-output 0.
+cache reads about 4k keys. A sequence's left padding (`cache_leftpad`, FlashAttention's) leaves out
+its keys `j < leftpad` the same way: the splits cover `[start, L)` from the block holding the first
+key, and the keys before it are neither loaded nor allowed. The sinks join the softmax once, in the
+pass that writes the final result (the split kernel's epilogue with one split, else the merge): a
+virtual split of lse `sinks[h]` and output 0.
 
-Inputs are never trusted for addresses: each length is clamped to `[0, capacity]` and each page id
-to `[0, num_pages)` before use. With VALIDATE the kernels also record the first violation
-(`exattn.errors`): a length below Nq or beyond the cache and a left padding outside [0, L] (split 0 of
-each sequence) and a page id
-out of range (each split the page slots of its share of `[0, L)` by the split rule without a
-window, so every page a sequence uses is checked); the programs of K/V head 0 check.
+Inputs are never trusted for addresses: each length is clamped to `[0, capacity]`, each left padding
+to `[0, L]` and each page id to `[0, num_pages)` before use. With VALIDATE the kernels also record the
+first violation (`exattn.errors`): a length below Nq or beyond the cache and a left padding outside
+`[0, L]` (split 0 of each sequence), and a page id out of range (each split the page slots of its share
+of `[0, L)` by the split rule without a window, so every page a sequence uses is checked); the
+programs of K/V head 0 check.
 """
 
 from __future__ import annotations
