@@ -27,6 +27,8 @@ from transformers import (  # noqa: E402
     GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
 )
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager  # noqa: E402
@@ -86,7 +88,8 @@ class Calls:
 
         def counted_decode(q, k, v, **kwargs):
             self.decode.append((tuple(q.shape), tuple(k.shape)))
-            self.options.append({name: kwargs.get(name) for name in ("window", "softcap", "sinks", "cache_leftpad")})
+            self.options.append({name: kwargs.get(name) for name in ("window", "softcap", "sinks", "cache_leftpad",
+                                                                         "cache_seqlens")})
             return decode(q, k, v, **kwargs)
 
         monkeypatch.setattr(ext, "attention", counted_attention)
@@ -177,12 +180,12 @@ def llama():
     return LlamaForCausalLM(config).eval()
 
 
-def generate(model, implementation, input_ids, attention_mask=None):
+def generate(model, implementation, input_ids, attention_mask=None, **options):
     model.set_attn_implementation(implementation)
     with torch.no_grad():
         out = model.generate(
             input_ids, attention_mask=attention_mask, max_new_tokens=STEPS, min_new_tokens=STEPS,
-            do_sample=False, return_dict_in_generate=True, output_scores=True,
+            do_sample=False, return_dict_in_generate=True, output_scores=True, **options,
         )
     return out.sequences[:, input_ids.shape[1]:], torch.stack(out.scores)
 
@@ -226,24 +229,116 @@ def test_left_padded_generation_matches_eager(llama, calls, through_decode, monk
     assert all(options["cache_leftpad"].tolist() == [4, 0] for options in steps if through_decode)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("padded, through_decode", [(False, True), (True, False), (True, True)],
+                         ids=["no-padding", "padding-segment-ids", "padding-decode"])
+def test_static_cache_generation_matches_eager_without_a_mask(family, padded, through_decode, llama, calls,
+                                                              monkeypatch):
+    """A static cache (`cache_implementation="static"`): `generate` prepares each step's mask ahead of the
+    forward and the model hands it back to the mask interface (a single mask: Llama, Mistral whose layers
+    all slide; one per layer type: Gemma 2). Slots past the newest token are unused. No mask is built: the
+    prompt (at most 16 tokens) and every later step run exattn.decode over the whole cache with its used
+    length as cache_seqlens (and the left padding as cache_leftpad where decode serves it), or
+    exattn.attention with the padding and the unused slots as segment ids."""
+    monkeypatch.setattr(ext, "decode_serves_left_padding", lambda query: through_decode)
+    if family == "mistral":
+        torch.manual_seed(0)
+        model = MistralForCausalLM(MistralConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, sliding_window=8, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)).eval()
+    else:
+        model = llama if family == "llama" else sliding_model(family)
+    prompt = 20 if family == "gemma2" else 9  # Gemma 2's full layer: a prefill over the used keys
+    input_ids = torch.randint(3, 128, (2, prompt), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(input_ids)
+    if padded:
+        attention_mask[0, :4] = 0
+        input_ids[0, :4] = model.config.pad_token_id
+    eager_tokens, _ = generate(model, "eager", input_ids, attention_mask, cache_implementation="static")
+    tokens, _ = generate(model, "exattn", input_ids, attention_mask, cache_implementation="static")
+    assert torch.equal(tokens, eager_tokens)
+    assert not calls.built and not any(isinstance(mask, torch.Tensor) for mask in calls.masks)
+    layers = model.config.num_hidden_layers
+    assert len(calls.attention) + len(calls.decode) == STEPS * layers
+    if family == "llama" and through_decode:  # the prompt too: 9 new tokens over a 40-slot cache
+        assert len(calls.decode) == STEPS * layers
+        used = [prompt + call // layers for call in range(STEPS * layers)]  # the tokens so far
+        assert [options["cache_seqlens"].tolist() for options in calls.options] == [[n, n] for n in used]
+        assert all((options["cache_leftpad"] is not None) == padded for options in calls.options)
+        assert not padded or calls.options[0]["cache_leftpad"].tolist() == [4, 0]
+
+
+def test_a_handed_back_mask_is_kept_where_it_was_made_for_the_sizes():
+    """The model asks for its mask again with the one `generate` prepared: kept where the sizes are those it
+    was made for, else made anew from the padding it holds."""
+    padding = torch.ones(2, 12, dtype=torch.bool)
+    padding[0, :3] = False
+    prepared = ext.exattn_mask(2, 1, 16, q_offset=torch.tensor(11), attention_mask=padding, device="cpu")
+    assert ext.exattn_mask(2, 1, 16, q_offset=torch.tensor(11), attention_mask=prepared) is prepared
+    remade = ext.exattn_mask(2, 1, 12, q_offset=11, attention_mask=prepared)
+    assert remade is not prepared and remade.shape == (2, 1, 1, 12) and remade.cache_seqlens is None
+    assert_padding_rule(remade, dict(batch_size=2, q_length=1, kv_length=12, q_offset=11, attention_mask=padding,
+                                     mask_function=causal_mask_function))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_static_cache_generation_matches_eager(padded, llama):
+    """A static cache's steps compiled whole (what `generate` does with one on a GPU): one graph for the
+    prompt and one for every later step, whose exattn ops take the lengths and the padding as inputs: the
+    decode op, or without decode serving left padding (the CPU), the attention op over the whole cache with
+    the padding and the unused slots as segment ids."""
+    from test_compile import exattn_ops, recording
+
+    input_ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :4] = 0 if padded else 1
+    options = dict(cache_implementation="static")
+    eager_tokens, _ = generate(llama, "exattn", input_ids, attention_mask, **options)
+    torch._dynamo.reset()
+    record, graphs = recording()
+    forward = llama.forward
+    llama.forward = torch.compile(forward, fullgraph=True, backend=record)
+    try:
+        tokens, _ = generate(llama, "exattn", input_ids, attention_mask, **options)
+    finally:
+        llama.forward = forward
+    assert torch.equal(tokens, eager_tokens) and len(graphs) == 2
+    op = "exattn.tiled_forward.default" if padded else "exattn.decode_tiled.default"
+    assert exattn_ops(graphs[1:]) == [op] * llama.config.num_hidden_layers
+
+
 def rule_of(mask, q_length: int) -> torch.Tensor:
     """The bool (B, 1, Nq, Nk) mask exattn's own score rules (`masks.apply_score_rules`) give a
-    `DeferredMask`'s segment ids, causal rule and window."""
+    `DeferredMask`'s segment ids, causal rule and window over its used keys (the later slots: none)."""
     from exattn.masks import apply_score_rules
     from exattn.problem import ScoreRules, check_window
 
-    keys = mask.key_ids.shape[1]
+    batch, _, _, keys = mask.shape
+    used = mask.used_keys
     window = check_window(None if mask.window is None else (mask.window - 1, 0), mask.causal)
-    rules = ScoreRules(q_segment_ids=mask.query_ids, k_segment_ids=mask.key_ids)
-    scores = torch.zeros(mask.key_ids.shape[0], 1, q_length, keys)
-    return apply_score_rules(scores, range(q_length), range(keys), q_length, keys, window, None, rules).isfinite()
+    rules = ScoreRules()
+    if mask.key_ids is not None:
+        rules = ScoreRules(q_segment_ids=mask.query_ids, k_segment_ids=mask.key_ids[:, :used])
+    scores = torch.zeros(batch, 1, q_length, used)
+    allowed = apply_score_rules(scores, range(q_length), range(used), q_length, used, window, None, rules).isfinite()
+    return torch.nn.functional.pad(allowed, (0, keys - used))
 
 
 def assert_padding_rule(mask, kwargs):
-    """A `DeferredMask` read from padding: what SDPA's mask allows; its build() is SDPA's mask."""
+    """A `DeferredMask` read from padding or a static cache: what SDPA's mask allows; its build() is SDPA's
+    mask; the unused slots count as padding."""
     expected = sdpa_mask(**kwargs, allow_is_causal_skip=False)
     assert isinstance(mask, ext.DeferredMask) and not mask.packed and torch.equal(mask.build(), expected)
+    assert mask.shape == expected.shape and mask.ndim == 4
     assert torch.equal(rule_of(mask, kwargs["q_length"]).expand_as(expected), expected)
+    if mask.key_ids is not None:
+        assert mask.key_ids.shape == (expected.shape[0], expected.shape[-1])
+        assert mask.key_ids[:, mask.used_keys:].all()  # the unused slots count as padding
+    static = mask.used_keys < expected.shape[-1] or isinstance(kwargs.get("q_offset"), torch.Tensor)
+    assert (mask.cache_seqlens is not None) == static
+    if static:
+        assert mask.cache_seqlens.tolist() == [mask.used_keys] * expected.shape[0]
 
 
 def test_left_padding_is_counted_only_where_it_leads_every_row():
@@ -271,9 +366,20 @@ def test_mask_function_skips_only_plain_bottom_right_causal():
     ]
     for kwargs in read:
         assert_padding_rule(ext.exattn_mask(**kwargs), {"mask_function": causal_mask_function, **kwargs})
+    static = [  # a static cache: slots past the newest query unused, its offset a tensor at later steps
+        dict(batch_size=2, q_length=4, kv_length=16, q_offset=0, attention_mask=no_padding),
+        dict(batch_size=2, q_length=4, kv_length=16, q_offset=0, attention_mask=padding),
+        dict(batch_size=2, q_length=1, kv_length=16, q_offset=torch.tensor(11), attention_mask=padding),
+        dict(batch_size=2, q_length=1, kv_length=16, q_offset=torch.tensor(15), attention_mask=no_padding),
+        dict(batch_size=2, q_length=1, kv_length=16, q_offset=torch.tensor(11), attention_mask=None),
+    ]
+    for kwargs in static:
+        assert_padding_rule(ext.exattn_mask(**kwargs), {"mask_function": causal_mask_function, **kwargs})
     materialized = [
-        dict(batch_size=2, q_length=4, kv_length=16, q_offset=0, attention_mask=no_padding),  # static cache
         dict(batch_size=2, q_length=4, kv_length=12, q_offset=8, attention_mask=no_padding, local_size=6),
+        dict(batch_size=2, q_length=4, kv_length=16, attention_mask=no_padding,  # unused slots, full attention
+             mask_function=bidirectional_mask_function),
+        dict(batch_size=2, q_length=4, kv_length=16, q_offset=20, attention_mask=no_padding),  # past the cache
     ]
     for kwargs in materialized:
         mask = ext.exattn_mask(**kwargs)
@@ -306,10 +412,11 @@ def test_mask_function_skips_sliding_window_causal_without_padding():
         mask = ext.exattn_mask(mask_function=rule, **kwargs)
         assert mask.causal and mask.window == 6
         assert_padding_rule(mask, dict(mask_function=rule, **kwargs))
-    materialized = [
-        dict(batch_size=2, q_length=4, kv_length=16, q_offset=0, local_size=6),  # static cache
-        dict(batch_size=2, q_length=12, kv_length=12, local_size=5),  # not the window asked for
-    ]
+    static = dict(batch_size=2, q_length=4, kv_length=16, q_offset=0, local_size=6)  # not yet full
+    mask = ext.exattn_mask(mask_function=rule, **static)
+    assert mask.window == 6 and mask.used_keys == 4
+    assert_padding_rule(mask, dict(mask_function=rule, **static))
+    materialized = [dict(batch_size=2, q_length=12, kv_length=12, local_size=5)]  # not the window asked for
     for kwargs in materialized:
         mask = ext.exattn_mask(mask_function=rule, **kwargs)
         assert torch.equal(mask, sdpa_mask(mask_function=rule, **kwargs, allow_is_causal_skip=False))

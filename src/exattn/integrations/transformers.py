@@ -14,7 +14,9 @@ unregistered name no mask at all (padding would be silently ignored):
   becomes None, and the attention function applies exattn's bottom-right
   causal rule (and the layer's `sliding_window`) instead of a mask. With
   padding, those rules and full attention become a `DeferredMask` holding the
-  padding as segment ids (`padding_ids`). The block-diagonal mask of a packed
+  padding as segment ids (`padding_ids`); so do the causal rules over a static
+  cache, whose slots past the newest token are unused (`used_keys`, and
+  `cache_seqlens` for `exattn.decode`). The block-diagonal mask of a packed
   batch (one row, position ids restarting per document) is not built either:
   it becomes a `DeferredMask`, which the attention function serves through
   `attention_varlen` with the documents' offsets, given or read from their ids
@@ -82,8 +84,15 @@ def exattn_mask(
     attention; a `DeferredMask` for those rules with padding and for a packed batch's rule; else SDPA's
     bool mask (B, 1, Nq, Nk) (possibly a broadcast view).
 
-    attention_mask: the 2-D padding mask (B, past + Nq), True/1 = real token.
+    attention_mask: the 2-D padding mask (B, past + Nq), True/1 = real token; or a `DeferredMask` this
+    function gave before, handed back: `generate` prepares the masks of a compileable (static) cache ahead
+    of the forward and passes them as the model's attention mask, which asks for its mask again.
     """
+    if isinstance(attention_mask, DeferredMask):
+        if attention_mask.made_for(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                                   local_size=kwargs.get("local_size")):
+            return attention_mask
+        attention_mask = attention_mask.arguments["attention_mask"]  # the padding it was made from
     arguments = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
     # Under torch.compile a rule made while tracing keeps its closure out of reach (transformers
@@ -93,45 +102,71 @@ def exattn_mask(
     if attention_mask is None and (traced_rule or is_packed_sequence_rule(mask_function)):
         documents = None if traced_rule else packed_documents(mask_function)
         return DeferredMask(arguments, *((documents[0], *documents) if documents else ()), packed=True)
-    rule = None if traced_rule else read_rule(q_length, kv_length, q_offset, kv_offset, mask_function,
+    rule = None if traced_rule else read_rule(q_length, kv_length, settled(q_offset), kv_offset, mask_function,
                                                 kwargs.get("local_size"))
     if rule is not None:
-        padding = padding_ids(attention_mask, kv_length, kv_offset)
-        if padding is None and rule[0] and allow_is_causal_skip:
+        causal, window, used_keys = rule
+        padding = padding_ids(attention_mask, kv_length, kv_offset, used_keys)
+        # A static cache (its offset a tensor) gets its lengths at every step, so a compiled step sees one
+        # kind of mask from the first step to the one that fills the cache.
+        static = isinstance(q_offset, torch.Tensor) or used_keys < kv_length
+        if padding is None and not static and causal:
             return None
-        if padding is not None and padding.shape[-1] == kv_length:
-            real = torch.zeros(padding.shape[0], q_length, dtype=torch.int32, device=padding.device)
-            return DeferredMask(arguments, real, padding, *rule)
+        if (padding is None and static) or (padding is not None and padding.shape[-1] == kv_length):
+            device = kwargs.get("device") or (padding.device if padding is not None else "cpu")
+            lengths = torch.full((batch_size,), used_keys, dtype=torch.int32, device=device) if static else None
+            real = None if padding is None else torch.zeros(batch_size, q_length, dtype=torch.int32, device=device)
+            return DeferredMask(arguments, real, padding, causal, window, used_keys=used_keys, cache_seqlens=lengths)
     return sdpa_mask(**arguments, allow_is_causal_skip=False)
 
 
-def read_rule(q_length, kv_length, q_offset, kv_offset, mask_function, local_size) -> tuple[bool, int | None] | None:
-    """(causal, window w or None) when the mask, padding aside, would be exattn's bottom-right causal
-    rule, that rule with the window transformers' attention functions get as `sliding_window` = w (a
-    sliding layer, `local_size` w: keys `q - w < k <= q`), or full attention; else None.
+def settled(offset):
+    """A static cache's query offset, which transformers gives as a 0-d tensor, as an int: read once a
+    forward outside torch.compile (a host sync); else as given."""
+    if isinstance(offset, torch.Tensor) and offset.ndim == 0 and not torch.compiler.is_compiling():
+        return int(offset)
+    return offset
 
-    Keys are absolute positions `kv_offset .. kv_offset + kv_length - 1` (a sliding cache drops
-    the oldest: kv_offset > 0); the queries must be the last q_length of them.
+
+def read_rule(q_length, kv_length, q_offset, kv_offset, mask_function,
+              local_size) -> tuple[bool, int | None, int] | None:
+    """(causal, window w or None, used keys) when the mask, padding aside, would be exattn's bottom-right
+    causal rule over the first `used keys` keys, that rule with the window transformers' attention
+    functions get as `sliding_window` = w (a sliding layer, `local_size` w: keys `q - w < k <= q`), or
+    full attention over every key; else None.
+
+    Keys are absolute positions `kv_offset .. kv_offset + kv_length - 1` (a sliding cache drops the
+    oldest: kv_offset > 0); the newest query must be the newest used key: the last key, or under a
+    causal rule an earlier one (a static cache: the slots after it are unused, and hidden).
     """
-    if not isinstance(q_offset, int) or not isinstance(kv_offset, int) or q_offset + q_length != kv_offset + kv_length:
+    if not isinstance(q_offset, int) or not isinstance(kv_offset, int):
         return None
+    used_keys = q_offset + q_length - kv_offset
     if local_size is not None:
-        return (True, local_size) if sliding_causal_window(mask_function) == local_size else None
-    if mask_function is causal_mask_function:
-        return True, None
-    return (False, None) if mask_function is bidirectional_mask_function else None
+        rule = (True, local_size) if sliding_causal_window(mask_function) == local_size else None
+    elif mask_function is causal_mask_function:
+        rule = True, None
+    else:
+        rule = (False, None) if mask_function is bidirectional_mask_function else None
+    if rule is None or not (used_keys == kv_length or (rule[0] and 0 < used_keys < kv_length)):
+        return None
+    return *rule, used_keys
 
 
-def padding_ids(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:
-    """Segment ids of the keys, int32 (B, kv_length): 0 for a real token, 1 for padding (every query has
-    id 0: it sees the real keys, as under SDPA's mask); None where every key is real (known without
-    reading the mask where it is None; read, a host sync, outside torch.compile)."""
+def padding_ids(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int,
+                used_keys: int) -> torch.Tensor | None:
+    """Segment ids of the keys, int32 (B, kv_length): 0 for a real token, 1 for padding and for the slots
+    past the first `used_keys` (every query has id 0: it sees the real keys, as under SDPA's mask); None
+    where the used keys are all real (known without reading the mask where it is None; read, a host
+    sync, outside torch.compile)."""
     if attention_mask is None:
         return None
     real = prepare_padding_mask(attention_mask, kv_length, kv_offset)[..., kv_offset:kv_offset + kv_length]
-    if not torch.compiler.is_compiling() and real.shape[-1] == kv_length and bool(real.all()):
+    if not torch.compiler.is_compiling() and bool(real[..., :used_keys].all()):
         return None
-    return (real == 0).to(torch.int32)
+    padding = (real == 0).to(torch.int32)
+    padding[..., used_keys:] = 1
+    return padding
 
 
 def sliding_window_of(rule) -> int | None:
@@ -207,14 +242,16 @@ def code_of(function):
 class DeferredMask:
     """A mask transformers asked for, not built (`arguments`: `sdpa_mask`'s keywords).
 
-    Where the rule was read, `query_ids` (B, Nq) and `key_ids` (B, Nk) int32 hold it with `causal`
-    and `window`: a query sees the keys of its own id, under bottom-right causal and the window w
-    (keys `q - w < k <= q`) if set. `exattn.attention` serves that with `segment_ids` and no mask.
-    Two sources:
+    Where the rule was read, `causal` and `window` hold it (bottom-right causal, and the window w: keys
+    `q - w < k <= q`, if set) over the first `used_keys` keys (all but a static cache's unused slots),
+    and `query_ids` (B, Nq) and `key_ids` (B, Nk) int32, if set, narrow it: a query sees the keys of its
+    own id (the unused slots have a padding's). `exattn.attention` serves that with `segment_ids` and no
+    mask; `exattn.decode` takes `cache_seqlens` (`used_keys` each) where slots are unused. Three sources:
 
-    - padding under plain or sliding-window causal attention or full attention (`read_rule`): real
-      keys have id 0, padding 1, every query 0 (`padding_ids`); a query with no real key (left
-      padding, causal) gets zeros. Where the padding leads every row, `left_padding` counts it;
+    - a static cache's unused slots under plain or sliding-window causal attention (`read_rule`): no ids;
+    - padding under those rules or full attention: real keys have id 0, padding 1, every query 0
+      (`padding_ids`); a query with no real key (left padding, causal) gets zeros. Where the padding
+      leads every row, `left_padding` counts it;
     - a packed batch (`packed`), from position ids that restart per document: transformers asks for
       its block-diagonal mask once per forward, before it knows whether the attention function gets
       the documents' offsets. With `cu_seq_lens_q/k` the attention function runs `attention_varlen`;
@@ -232,14 +269,31 @@ class DeferredMask:
     causal: bool = True
     window: int | None = None
     packed: bool = False
+    used_keys: int | None = None
+    cache_seqlens: torch.Tensor | None = None
+
+    # Stands for a bool mask of this shape, so that transformers takes it for one made already
+    # (a model's mask functions read `ndim` of the attention mask they are given).
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.arguments["batch_size"], 1, self.arguments["q_length"], self.arguments["kv_length"]
+
+    def made_for(self, **sizes) -> bool:
+        """Whether it was made for these mask-interface sizes (`batch_size`, `q_length`, `kv_length`,
+        `local_size`)."""
+        return all(self.arguments.get(name) == value for name, value in sizes.items())
 
     def build(self) -> torch.Tensor:
         return sdpa_mask(**self.arguments, allow_is_causal_skip=False)
 
     def read_for(self, query: torch.Tensor, key: torch.Tensor) -> bool:
         """Whether the rule was read for these queries and keys."""
-        return (self.key_ids is not None and self.query_ids.shape == (query.shape[0], query.shape[2])
-                and self.key_ids.shape == (key.shape[0], key.shape[2]))
+        if self.packed:
+            return (self.key_ids is not None and self.query_ids.shape == (query.shape[0], query.shape[2])
+                    and self.key_ids.shape == (key.shape[0], key.shape[2]))
+        return (query.shape[0], 1, query.shape[2], key.shape[2]) == self.shape
 
     @cached_property
     def documents(self) -> tuple[torch.Tensor, int]:
@@ -256,17 +310,17 @@ class DeferredMask:
     def left_padding(self) -> torch.Tensor | None:
         """int32 (B,): each row's padding keys where they all lead it (a batch of prompts padded on the
         left), else None: read once (one host sync), shared by every layer."""
-        padding = self.key_ids
+        padding = self.key_ids[:, :self.used_keys]
         counts = padding.sum(1, dtype=torch.int32)
         leading = torch.arange(padding.shape[1], device=padding.device)[None, :] < counts[:, None]
         return counts if torch.equal(leading.to(padding.dtype), padding) else None
 
 
 def deferred_attention(query, key, value, rule: DeferredMask, scale, dropout, softcap, sinks) -> torch.Tensor:
-    """A rule read from transformers (`DeferredMask.key_ids`): a packed batch's documents through
-    `attention_varlen`; left padding under a few new tokens (`use_decode`) through `exattn.decode` with
-    `cache_leftpad` where `decode_serves_left_padding`; other padding through `exattn.attention` with
-    segment ids. Returns (B, Nq, Hq, Dv)."""
+    """A rule read from transformers: a packed batch's documents through `attention_varlen`; a few new
+    tokens (`use_decode`) through `exattn.decode` over the whole cache with its used lengths, where no key
+    is padding or the padding leads every row and `decode_serves_left_padding` (as `cache_leftpad`);
+    else `exattn.attention` over the used keys, the padding as segment ids. Returns (B, Nq, Hq, Dv)."""
     if rule.packed:
         offsets, longest_document = rule.documents
         window = None if rule.window is None else (rule.window - 1, rule.window - 1)
@@ -275,13 +329,21 @@ def deferred_attention(query, key, value, rule: DeferredMask, scale, dropout, so
             window=window, scale=scale, dropout=dropout, softcap=softcap, sinks=sinks, validate=False,
         )
     window = None if rule.window is None else (rule.window - 1, 0)
-    if (decode_serves_left_padding(query) and not torch.compiler.is_compiling()
-            and use_decode(query, key, value, rule.causal, dropout, sinks) and rule.left_padding is not None):
-        out = decode(query, key, value, scale=scale, validate=False, window=window, softcap=softcap, sinks=sinks,
-                     cache_leftpad=rule.left_padding)
+    leftpad = None
+    if rule.key_ids is not None and decode_serves_left_padding(query) and not torch.compiler.is_compiling():
+        leftpad = rule.left_padding
+    if use_decode(query, key, value, rule.causal, dropout, sinks) and (rule.key_ids is None or leftpad is not None):
+        out = decode(query, key, value, cache_seqlens=rule.cache_seqlens, scale=scale, validate=False,
+                     window=window, softcap=softcap, sinks=sinks, cache_leftpad=leftpad)
     else:
+        key_ids = rule.key_ids
+        # One query at the last slot sees what the newest used key's does: the unused slots are padding.
+        if not (query.shape[2] == 1 and window is None and key_ids is not None) and rule.used_keys < key.shape[2]:
+            key, value = key[:, :, :rule.used_keys], value[:, :, :rule.used_keys]
+            key_ids = None if key_ids is None else key_ids[:, :rule.used_keys]
+        segment_ids = None if key_ids is None else (rule.query_ids, key_ids)
         out = attention(query, key, value, causal=rule.causal, window=window, scale=scale, dropout_p=dropout,
-                        softcap=softcap, sinks=sinks, segment_ids=(rule.query_ids, rule.key_ids))
+                        softcap=softcap, sinks=sinks, segment_ids=segment_ids)
     return out.transpose(1, 2).contiguous()
 
 
