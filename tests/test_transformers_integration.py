@@ -282,30 +282,40 @@ def test_a_handed_back_mask_is_kept_where_it_was_made_for_the_sizes():
                                      mask_function=causal_mask_function))
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_compiled_static_cache_generation_matches_eager(padded, llama):
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("padded, through_decode", [(False, False), (True, False), (True, True)],
+                         ids=["no-padding", "padding-segment-ids", "padding-decode"])
+def test_compiled_static_cache_generation_matches_eager(family, padded, through_decode, llama, monkeypatch):
     """A static cache's steps compiled whole (what `generate` does with one on a GPU): one graph for the
-    prompt and one for every later step, whose exattn ops take the lengths and the padding as inputs: the
-    decode op, or without decode serving left padding (the CPU), the attention op over the whole cache with
-    the padding and the unused slots as segment ids."""
+    prompt and one for the later steps, whose exattn ops take the lengths and the padding as inputs: the
+    decode op (a sliding layer's mask included: prepared unbuilt, not None, which would have the compiled
+    step make the rule anew; the left padding counted where the mask is prepared), or with padding that
+    decode does not serve (the CPU), the attention op over the whole cache with the padding and the unused
+    slots as segment ids."""
     from test_compile import exattn_ops, recording
 
+    monkeypatch.setattr(ext, "decode_serves_left_padding", lambda query: through_decode)
+
+    model = llama if family == "llama" else sliding_model(family)
     input_ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, :4] = 0 if padded else 1
     options = dict(cache_implementation="static")
-    eager_tokens, _ = generate(llama, "exattn", input_ids, attention_mask, **options)
+    eager_tokens, _ = generate(model, "exattn", input_ids, attention_mask, **options)
     torch._dynamo.reset()
     record, graphs = recording()
-    forward = llama.forward
-    llama.forward = torch.compile(forward, fullgraph=True, backend=record)
+    forward = model.forward
+    model.forward = torch.compile(forward, fullgraph=True, backend=record)
     try:
-        tokens, _ = generate(llama, "exattn", input_ids, attention_mask, **options)
+        tokens, _ = generate(model, "exattn", input_ids, attention_mask, **options)
     finally:
-        llama.forward = forward
-    assert torch.equal(tokens, eager_tokens) and len(graphs) == 2
-    op = "exattn.tiled_forward.default" if padded else "exattn.decode_tiled.default"
-    assert exattn_ops(graphs[1:]) == [op] * llama.config.num_hidden_layers
+        model.forward = forward
+    # one more graph where a sliding layer's padding leaves its window (the mask then holds no ids)
+    assert torch.equal(tokens, eager_tokens) and len(graphs) == 2 + (padded and family == "gemma2")
+    ops = exattn_ops(graphs[1:])
+    assert len(ops) == model.config.num_hidden_layers * (len(graphs) - 1)
+    assert set(ops) <= {"exattn.decode_tiled.default", "exattn.tiled_forward.default"}
+    assert set(ops) == {"exattn.decode_tiled.default"} or (padded and not through_decode)
 
 
 def rule_of(mask, q_length: int) -> torch.Tensor:
@@ -375,6 +385,11 @@ def test_mask_function_skips_only_plain_bottom_right_causal():
     ]
     for kwargs in static:
         assert_padding_rule(ext.exattn_mask(**kwargs), {"mask_function": causal_mask_function, **kwargs})
+    # a compileable cache's step, where transformers asks for a mask: unbuilt, not None
+    step = dict(batch_size=2, q_length=1, kv_length=12, q_offset=11, attention_mask=no_padding)
+    mask = ext.exattn_mask(**step, allow_is_causal_skip=False)
+    assert mask.key_ids is None and mask.cache_seqlens is None and mask.used_keys == 12
+    assert_padding_rule(mask, {"mask_function": causal_mask_function, **step})
     materialized = [
         dict(batch_size=2, q_length=4, kv_length=12, q_offset=8, attention_mask=no_padding, local_size=6),
         dict(batch_size=2, q_length=4, kv_length=16, attention_mask=no_padding,  # unused slots, full attention

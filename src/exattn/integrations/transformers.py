@@ -110,13 +110,19 @@ def exattn_mask(
         # A static cache (its offset a tensor) gets its lengths at every step, so a compiled step sees one
         # kind of mask from the first step to the one that fills the cache.
         static = isinstance(q_offset, torch.Tensor) or used_keys < kv_length
-        if padding is None and not static and causal:
+        if padding is None and not static and causal and allow_is_causal_skip:
             return None
-        if (padding is None and static) or (padding is not None and padding.shape[-1] == kv_length):
+        # transformers asks for a mask (no skip) at a compileable cache's steps, prepared ahead of the forward:
+        # a None there would have the compiled forward make the rule anew, out of reach while tracing.
+        if (padding is None and (static or causal)) or (padding is not None and padding.shape[-1] == kv_length):
             device = kwargs.get("device") or (padding.device if padding is not None else "cpu")
             lengths = torch.full((batch_size,), used_keys, dtype=torch.int32, device=device) if static else None
             real = None if padding is None else torch.zeros(batch_size, q_length, dtype=torch.int32, device=device)
-            return DeferredMask(arguments, real, padding, causal, window, used_keys=used_keys, cache_seqlens=lengths)
+            leading = None
+            if padding is not None and causal and q_length <= DECODE_MAX_QUERIES and not torch.compiler.is_compiling():
+                leading = leading_padding(padding[:, :used_keys])
+            return DeferredMask(arguments, real, padding, causal, window, used_keys=used_keys, cache_seqlens=lengths,
+                                left_padding=leading)
     return sdpa_mask(**arguments, allow_is_causal_skip=False)
 
 
@@ -167,6 +173,14 @@ def padding_ids(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: 
     padding = (real == 0).to(torch.int32)
     padding[..., used_keys:] = 1
     return padding
+
+
+def leading_padding(padding: torch.Tensor) -> torch.Tensor | None:
+    """int32 (B,): each row's padding keys where they all lead it (a batch of prompts padded on the left),
+    else None; read once (a host sync) where the mask is made: ahead of a compiled step for a static cache."""
+    counts = padding.sum(1, dtype=torch.int32)
+    leading = torch.arange(padding.shape[1], device=padding.device)[None, :] < counts[:, None]
+    return counts if torch.equal(leading.to(padding.dtype), padding) else None
 
 
 def sliding_window_of(rule) -> int | None:
@@ -251,7 +265,8 @@ class DeferredMask:
     - a static cache's unused slots under plain or sliding-window causal attention (`read_rule`): no ids;
     - padding under those rules or full attention: real keys have id 0, padding 1, every query 0
       (`padding_ids`); a query with no real key (left padding, causal) gets zeros. Where the padding
-      leads every row, `left_padding` counts it;
+      leads every row, `left_padding` counts it (read where the mask is made, for at most
+      `DECODE_MAX_QUERIES` queries under a causal rule);
     - a packed batch (`packed`), from position ids that restart per document: transformers asks for
       its block-diagonal mask once per forward, before it knows whether the attention function gets
       the documents' offsets. With `cu_seq_lens_q/k` the attention function runs `attention_varlen`;
@@ -271,6 +286,7 @@ class DeferredMask:
     packed: bool = False
     used_keys: int | None = None
     cache_seqlens: torch.Tensor | None = None
+    left_padding: torch.Tensor | None = None
 
     # Stands for a bool mask of this shape, so that transformers takes it for one made already
     # (a model's mask functions read `ndim` of the attention mask they are given).
@@ -306,15 +322,6 @@ class DeferredMask:
         offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(self.key_ids.device, torch.int32)
         return offsets, int(lengths.max()) if lengths.numel() else 0
 
-    @cached_property
-    def left_padding(self) -> torch.Tensor | None:
-        """int32 (B,): each row's padding keys where they all lead it (a batch of prompts padded on the
-        left), else None: read once (one host sync), shared by every layer."""
-        padding = self.key_ids[:, :self.used_keys]
-        counts = padding.sum(1, dtype=torch.int32)
-        leading = torch.arange(padding.shape[1], device=padding.device)[None, :] < counts[:, None]
-        return counts if torch.equal(leading.to(padding.dtype), padding) else None
-
 
 def deferred_attention(query, key, value, rule: DeferredMask, scale, dropout, softcap, sinks) -> torch.Tensor:
     """A rule read from transformers: a packed batch's documents through `attention_varlen`; a few new
@@ -328,10 +335,9 @@ def deferred_attention(query, key, value, rule: DeferredMask, scale, dropout, so
             query, key, value, offsets, offsets, longest_document, longest_document, causal=rule.causal,
             window=window, scale=scale, dropout=dropout, softcap=softcap, sinks=sinks, validate=False,
         )
-    window = None if rule.window is None else (rule.window - 1, 0)
-    leftpad = None
-    if rule.key_ids is not None and decode_serves_left_padding(query) and not torch.compiler.is_compiling():
-        leftpad = rule.left_padding
+    # A window that holds every used key is dropped, as without a mask, so that decode's fastest kernel serves it.
+    window = None if rule.window is None or rule.window >= rule.used_keys else (rule.window - 1, 0)
+    leftpad = rule.left_padding if rule.key_ids is not None and decode_serves_left_padding(query) else None
     if use_decode(query, key, value, rule.causal, dropout, sinks) and (rule.key_ids is None or leftpad is not None):
         out = decode(query, key, value, cache_seqlens=rule.cache_seqlens, scale=scale, validate=False,
                      window=window, softcap=softcap, sinks=sinks, cache_leftpad=leftpad)
