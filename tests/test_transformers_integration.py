@@ -25,6 +25,8 @@ from transformers import (  # noqa: E402
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -316,6 +318,54 @@ def test_compiled_static_cache_generation_matches_eager(family, padded, through_
     assert len(ops) == model.config.num_hidden_layers * (len(graphs) - 1)
     assert set(ops) <= {"exattn.decode_tiled.default", "exattn.tiled_forward.default"}
     assert set(ops) == {"exattn.decode_tiled.default"} or (padded and not through_decode)
+
+
+def test_chunked_rule_becomes_chunk_ids():
+    """`chunked_causal_mask_function(size, left_padding)` (Llama 4's chunked layers, local_size = size):
+    chunks counted from each row's first real token, as segment ids; padding and a static cache's unused
+    slots get an id no query has."""
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    padding = torch.ones(2, 14, dtype=torch.bool)
+    padding[0, :3] = False
+    left_padding = torch.tensor([3, 0])
+    cases = [
+        dict(batch_size=2, q_length=14, kv_length=14, attention_mask=padding),
+        dict(batch_size=2, q_length=14, kv_length=14, attention_mask=None),
+        dict(batch_size=2, q_length=1, kv_length=14, q_offset=13, attention_mask=padding),
+        dict(batch_size=2, q_length=3, kv_length=20, q_offset=11, attention_mask=padding),  # a static cache
+    ]
+    for kwargs in cases:
+        padded = kwargs["attention_mask"] is not None
+        rule = chunked_causal_mask_function(4, left_padding if padded else 0 * left_padding)
+        mask = ext.exattn_mask(mask_function=rule, local_size=4, device="cpu", **kwargs)
+        assert mask.window is None and mask.left_padding is None
+        assert_padding_rule(mask, dict(mask_function=rule, **kwargs))
+    assert ext.chunked_rule(chunked_causal_mask_function(4, left_padding))[0] == 4
+    assert ext.chunked_rule(sliding_window_causal_mask_function(4)) is None
+
+
+def test_chunked_model_matches_eager_without_a_mask(calls):
+    """Llama 4's chunked layers (every layer here, chunks of 6): logits and greedy tokens (a dynamic and a
+    static cache) equal eager's, with the padding, and no mask is built."""
+    config = Llama4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+        attention_chunk_size=6, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = Llama4ForCausalLM(config).eval()
+    input_ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :5] = 0
+    input_ids[0, :5] = config.pad_token_id
+    expected, ours = (logits(model, name, input_ids, attention_mask) for name in ("eager", "exattn"))
+    assert (ours - expected)[attention_mask.bool()].abs().max() <= 1e-5
+    assert all(isinstance(options["segment_ids"][1], torch.Tensor) for options in calls.options)
+    for cache in ("dynamic", "static"):
+        eager_tokens, _ = generate(model, "eager", input_ids, attention_mask, cache_implementation=cache)
+        tokens, _ = generate(model, "exattn", input_ids, attention_mask, cache_implementation=cache)
+        assert torch.equal(tokens, eager_tokens)
+    assert not calls.built and not any(isinstance(mask, torch.Tensor) for mask in calls.masks)
 
 
 def rule_of(mask, q_length: int) -> torch.Tensor:

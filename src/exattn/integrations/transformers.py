@@ -38,6 +38,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -45,6 +46,7 @@ from transformers.masking_utils import (
     AttentionMaskInterface,
     bidirectional_mask_function,
     causal_mask_function,
+    chunked_overlay,
     packed_sequence_mask_function,
     prepare_padding_mask,
     remap_positions_for_packed_sequence,
@@ -67,6 +69,10 @@ PACKED_RULE_CODE = packed_sequence_mask_function(torch.zeros(1, 1, dtype=torch.l
 REMAP_RULE_CODE = remap_positions_for_packed_sequence(causal_mask_function, torch.zeros(1, 1)).__code__
 # The code of the window rule of `sliding_window_causal_mask_function(w)` = and_masks(overlay(w), causal).
 SLIDING_RULE_CODE = sliding_window_overlay(1).__code__
+# The code of the chunk rule of `chunked_causal_mask_function(size, left_padding)` = and_masks(overlay, causal).
+CHUNKED_RULE_CODE = chunked_overlay(1, torch.zeros(1)).__code__
+# The chunk id of keys no query may see (padding, a static cache's unused slots): below any position's.
+NO_CHUNK = -(2**31)
 
 
 def register(name: str = NAME) -> None:
@@ -104,26 +110,9 @@ def exattn_mask(
         return DeferredMask(arguments, *((documents[0], *documents) if documents else ()), packed=True)
     rule = None if traced_rule else read_rule(q_length, kv_length, settled(q_offset), kv_offset, mask_function,
                                                 kwargs.get("local_size"))
-    if rule is not None:
-        causal, window, used_keys = rule
-        padding = padding_ids(attention_mask, kv_length, kv_offset, used_keys)
-        # A static cache (its offset a tensor) gets its lengths at every step, so a compiled step sees one
-        # kind of mask from the first step to the one that fills the cache.
-        static = isinstance(q_offset, torch.Tensor) or used_keys < kv_length
-        if padding is None and not static and causal and allow_is_causal_skip:
-            return None
-        # transformers asks for a mask (no skip) at a compileable cache's steps, prepared ahead of the forward:
-        # a None there would have the compiled forward make the rule anew, out of reach while tracing.
-        if (padding is None and (static or causal)) or (padding is not None and padding.shape[-1] == kv_length):
-            device = kwargs.get("device") or (padding.device if padding is not None else "cpu")
-            lengths = torch.full((batch_size,), used_keys, dtype=torch.int32, device=device) if static else None
-            real = None if padding is None else torch.zeros(batch_size, q_length, dtype=torch.int32, device=device)
-            leading = None
-            if padding is not None and causal and q_length <= DECODE_MAX_QUERIES and not torch.compiler.is_compiling():
-                leading = leading_padding(padding[:, :used_keys])
-            return DeferredMask(arguments, real, padding, causal, window, used_keys=used_keys, cache_seqlens=lengths,
-                                left_padding=leading)
-    return sdpa_mask(**arguments, allow_is_causal_skip=False)
+    if rule is None:
+        return sdpa_mask(**arguments, allow_is_causal_skip=False)
+    return deferred_rule(arguments, rule, allow_is_causal_skip)
 
 
 def settled(offset):
@@ -134,12 +123,21 @@ def settled(offset):
     return offset
 
 
-def read_rule(q_length, kv_length, q_offset, kv_offset, mask_function,
-              local_size) -> tuple[bool, int | None, int] | None:
-    """(causal, window w or None, used keys) when the mask, padding aside, would be exattn's bottom-right
-    causal rule over the first `used keys` keys, that rule with the window transformers' attention
-    functions get as `sliding_window` = w (a sliding layer, `local_size` w: keys `q - w < k <= q`), or
-    full attention over every key; else None.
+class ReadRule(NamedTuple):
+    """A mask transformers asked for, read: bottom-right causal or full attention over the first
+    `used_keys` keys, the window w (keys `q - w < k <= q`) if set, and the chunks (size, left padding
+    (B,)) of `chunked_causal_mask_function` if set (a query sees the keys of its chunk)."""
+
+    causal: bool
+    window: int | None
+    used_keys: int
+    chunks: tuple[int, torch.Tensor] | None = None
+
+
+def read_rule(q_length, kv_length, q_offset, kv_offset, mask_function, local_size) -> ReadRule | None:
+    """The mask as a `ReadRule` where, padding aside, it is exattn's bottom-right causal rule, that rule
+    with the window transformers' attention functions get as `sliding_window` = w (a sliding layer,
+    `local_size` w), that rule within chunks (`local_size` the chunk size), or full attention; else None.
 
     Keys are absolute positions `kv_offset .. kv_offset + kv_length - 1` (a sliding cache drops the
     oldest: kv_offset > 0); the newest query must be the newest used key: the last key, or under a
@@ -149,14 +147,58 @@ def read_rule(q_length, kv_length, q_offset, kv_offset, mask_function,
         return None
     used_keys = q_offset + q_length - kv_offset
     if local_size is not None:
-        rule = (True, local_size) if sliding_causal_window(mask_function) == local_size else None
+        chunks = chunked_rule(mask_function)
+        if sliding_causal_window(mask_function) == local_size:
+            rule = ReadRule(True, local_size, used_keys)
+        elif chunks is not None and chunks[0] == local_size:
+            rule = ReadRule(True, None, used_keys, chunks)
+        else:
+            return None
     elif mask_function is causal_mask_function:
-        rule = True, None
+        rule = ReadRule(True, None, used_keys)
+    elif mask_function is bidirectional_mask_function:
+        rule = ReadRule(False, None, used_keys)
     else:
-        rule = (False, None) if mask_function is bidirectional_mask_function else None
-    if rule is None or not (used_keys == kv_length or (rule[0] and 0 < used_keys < kv_length)):
         return None
-    return *rule, used_keys
+    return rule if used_keys == kv_length or (rule.causal and 0 < used_keys < kv_length) else None
+
+
+def deferred_rule(arguments: dict, rule: ReadRule, allow_is_causal_skip: bool) -> DeferredMask | None:
+    """A rule read: None for plain bottom-right causal (sliding or not) without padding, which the attention
+    function applies; else a `DeferredMask` holding the padding and chunks as segment ids and a static
+    cache's used keys. A static cache (its offset a tensor) gets its lengths at every step, so a compiled
+    step sees one kind of mask from the first step to the one that fills the cache; and where transformers
+    asks for a mask (no skip: a compileable cache's step, prepared ahead of the forward), a None would have
+    the compiled forward make the rule anew, out of reach while tracing."""
+    batch, q_length, kv_length = arguments["batch_size"], arguments["q_length"], arguments["kv_length"]
+    q_offset, kv_offset = settled(arguments["q_offset"]), arguments["kv_offset"]
+    padding = padding_ids(arguments["attention_mask"], kv_length, kv_offset, rule.used_keys)
+    static = isinstance(arguments["q_offset"], torch.Tensor) or rule.used_keys < kv_length
+    if padding is None and rule.chunks is None and rule.causal and not static and allow_is_causal_skip:
+        return None
+    device = arguments.get("device") or (padding.device if padding is not None else "cpu")
+    lengths = torch.full((batch,), rule.used_keys, dtype=torch.int32, device=device) if static else None
+    query_ids, key_ids, leading = None, padding, None
+    if rule.chunks is not None:
+        if key_ids is None:
+            key_ids = torch.zeros(batch, kv_length, dtype=torch.int32, device=device)
+            key_ids[:, rule.used_keys:] = 1
+        query_ids = chunk_ids(rule.chunks, q_offset, q_length, device)
+        key_ids = chunk_ids(rule.chunks, kv_offset, kv_length, device).masked_fill_(key_ids.bool(), NO_CHUNK)
+    elif padding is not None:
+        query_ids = torch.zeros(batch, q_length, dtype=torch.int32, device=device)
+        if rule.causal and q_length <= DECODE_MAX_QUERIES and not torch.compiler.is_compiling():
+            leading = leading_padding(padding[:, :rule.used_keys])
+    return DeferredMask(arguments, query_ids, key_ids, rule.causal, rule.window, used_keys=rule.used_keys,
+                        cache_seqlens=lengths, left_padding=leading)
+
+
+def chunk_ids(chunks: tuple[int, torch.Tensor], start: int, count: int, device) -> torch.Tensor:
+    """int32 (B, count): the chunk of positions `start .. start + count - 1` of each row, chunks counted
+    from the row's first real token (its left padding), as `chunked_overlay`."""
+    size, left_padding = chunks
+    positions = torch.arange(start, start + count, device=device)[None, :] - left_padding.to(device)[:, None]
+    return torch.div(positions, size, rounding_mode="floor").to(torch.int32)
 
 
 def padding_ids(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int,
@@ -202,6 +244,18 @@ def sliding_causal_window(mask_function) -> int | None:
     if parts is None or len(parts) != 2 or causal_mask_function not in parts:
         return None
     return sliding_window_of(parts[1] if parts[0] is causal_mask_function else parts[0])
+
+
+def chunked_rule(mask_function) -> tuple[int, torch.Tensor] | None:
+    """(chunk size, left padding (B,)) when `mask_function` is `chunked_causal_mask_function(size, left_padding)`,
+    that is `and_masks(chunked_overlay(size, left_padding), causal_mask_function)`, else None."""
+    parts = and_parts(mask_function)
+    if parts is None or len(parts) != 2 or parts[1] is not causal_mask_function:
+        return None
+    if code_of(parts[0]) is not CHUNKED_RULE_CODE:
+        return None
+    captured = dict(zip(CHUNKED_RULE_CODE.co_freevars, closure_values(parts[0])))
+    return captured["chunk_size"], captured["left_padding"]
 
 
 def is_packed_sequence_rule(mask_function) -> bool:
@@ -260,13 +314,15 @@ class DeferredMask:
     `q - w < k <= q`, if set) over the first `used_keys` keys (all but a static cache's unused slots),
     and `query_ids` (B, Nq) and `key_ids` (B, Nk) int32, if set, narrow it: a query sees the keys of its
     own id (the unused slots have a padding's). `exattn.attention` serves that with `segment_ids` and no
-    mask; `exattn.decode` takes `cache_seqlens` (`used_keys` each) where slots are unused. Three sources:
+    mask; `exattn.decode` takes `cache_seqlens` (`used_keys` each) where slots are unused. Four sources:
 
     - a static cache's unused slots under plain or sliding-window causal attention (`read_rule`): no ids;
     - padding under those rules or full attention: real keys have id 0, padding 1, every query 0
       (`padding_ids`); a query with no real key (left padding, causal) gets zeros. Where the padding
       leads every row, `left_padding` counts it (read where the mask is made, for at most
       `DECODE_MAX_QUERIES` queries under a causal rule);
+    - chunked causal attention (Llama 4's `attention_chunk_size`): ids are chunks (`chunk_ids`), and
+      padding keys get `NO_CHUNK`, which no query has;
     - a packed batch (`packed`), from position ids that restart per document: transformers asks for
       its block-diagonal mask once per forward, before it knows whether the attention function gets
       the documents' offsets. With `cu_seq_lens_q/k` the attention function runs `attention_varlen`;
