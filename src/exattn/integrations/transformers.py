@@ -16,7 +16,8 @@ unregistered name no mask at all (padding would be silently ignored):
   padding, those rules and full attention become a `DeferredMask` holding the
   padding as segment ids (`padding_ids`); so do the causal rules over a static
   cache, whose slots past the newest token are unused (`used_keys`, and
-  `cache_seqlens` for `exattn.decode`). The block-diagonal mask of a packed
+  `cache_seqlens` for `exattn.decode`), and chunked causal attention, whose
+  chunks become segment ids (`chunk_ids`). The block-diagonal mask of a packed
   batch (one row, position ids restarting per document) is not built either:
   it becomes a `DeferredMask`, which the attention function serves through
   `attention_varlen` with the documents' offsets, given or read from their ids
@@ -86,9 +87,10 @@ def exattn_mask(
     mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
     allow_is_causal_skip: bool = True, **kwargs,
 ) -> torch.Tensor | DeferredMask | None:
-    """transformers' mask interface: None for plain bottom-right causal (sliding or not) and full
-    attention; a `DeferredMask` for those rules with padding and for a packed batch's rule; else SDPA's
-    bool mask (B, 1, Nq, Nk) (possibly a broadcast view).
+    """transformers' mask interface: None for plain bottom-right causal (sliding or not) without padding
+    (`deferred_rule`); a `DeferredMask` for those rules and full attention with padding or over a static
+    cache, for chunked causal attention and for a packed batch's rule; else SDPA's bool mask (B, 1, Nq, Nk)
+    (possibly a broadcast view).
 
     attention_mask: the 2-D padding mask (B, past + Nq), True/1 = real token; or a `DeferredMask` this
     function gave before, handed back: `generate` prepares the masks of a compileable (static) cache ahead
