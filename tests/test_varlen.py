@@ -557,7 +557,7 @@ def test_offsets_are_read_once_per_tensor_until_written(monkeypatch):
     reads = []
     real = varlen_module.offsets_to_host
     monkeypatch.setattr(varlen_module, "offsets_to_host", lambda x: reads.append(x) or real(x))
-    monkeypatch.setattr(varlen_module, "CHECKED_OFFSETS", {})  # earlier tests' entries would fill it up
+    monkeypatch.setattr(varlen_module, "CHECKED_OFFSETS", {})  # other tests' entries may fill it to its bound
     q, k, v, cu_q, cu_k = pack([3, 5], [4, 6])
     for _ in range(3):
         make_varlen_problem(q, k, v, cu_q, cu_k, 5, 6)
