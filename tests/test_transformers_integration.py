@@ -995,6 +995,24 @@ def test_fullgraph_compiled_models_match_eager(family, padded, llama):
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
 
 
+def test_fullgraph_compiled_model_given_a_mask_of_ones_builds_none(llama, calls):
+    """Under the compiler transformers wraps the rule of a batch without an attention mask in a packing
+    closure, which exattn cannot read (it builds the mask); given a mask of ones it asks for plain causal
+    with padding, which reads as segment ids: no mask is built."""
+    llama.set_attn_implementation("exattn")
+    input_ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(3))
+    compiled, ops = compiled_with_ops(llama)
+    with torch.no_grad():
+        expected = llama(input_ids, use_cache=False).logits
+        without_mask = compiled(input_ids, use_cache=False).logits
+        assert calls.built == [(2, 1, 24, 24)] * llama.config.num_hidden_layers
+        calls.built.clear()
+        logits = compiled(input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False).logits
+    assert not calls.built and all(options["segment_ids"] is not None for options in calls.options[-2:])
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(without_mask, expected, rtol=0, atol=1e-6)
+
+
 def test_fullgraph_compiled_padded_minilm_matches_eager(minilm, calls):
     """A bidirectional encoder with padding compiles whole, its padding read as segment ids (no mask)."""
     tokenizer, model = minilm
