@@ -173,7 +173,8 @@ def deferred_rule(arguments: dict, rule: ReadRule, allow_is_causal_skip: bool) -
     asks for a mask (no skip: a compileable cache's step, prepared ahead of the forward), a None would have
     the compiled forward make the rule anew, out of reach while tracing."""
     batch, q_length, kv_length = arguments["batch_size"], arguments["q_length"], arguments["kv_length"]
-    q_offset, kv_offset = settled(arguments["q_offset"]), arguments["kv_offset"]
+    kv_offset = arguments["kv_offset"]
+    q_offset = kv_offset + rule.used_keys - q_length  # as read, without reading a tensor offset again
     padding = padding_ids(arguments["attention_mask"], kv_length, kv_offset, rule.used_keys)
     static = isinstance(arguments["q_offset"], torch.Tensor) or rule.used_keys < kv_length
     if padding is None and rule.chunks is None and rule.causal and not static and allow_is_causal_skip:
