@@ -187,26 +187,36 @@ def strategy_fns(strategy: str, args, rank: int, world: int, layout: str, mesh):
             lambda x: mesh_shard(x, mesh, layout))
 
 
-def check_strategy(args, strategy: str, rank: int, world: int, device, mesh) -> dict:
-    """One strategy vs single-device exattn vs the float64 oracle on the full tensors, with the shared rule."""
-    attend, cut = strategy_fns(strategy, args, rank, world, args.layout, mesh)
+def check_against_oracle(args, attend, cut, device, row: dict, err_key: str = "err",
+                         vs_single_key: str | None = None) -> dict:
+    """attend (sharded by cut) vs single-device exattn vs the float64 oracle on the full tensors, with the
+    shared rule; the errors go into row under out, dq, dk and dv (with the distance to single-device
+    exattn's under vs_single_key, if given)."""
     q, k, v, dout = random_inputs(args, args.check_len, device, seed=1234)
     ours = fwd_bwd(attend, *[cut(x.detach()).requires_grad_() for x in (q, k, v)], cut(dout))
     single = fwd_bwd(lambda *t: exattn.attention(*t, causal=True), q, k, v, dout)
     naive = fwd_bwd(lambda *t: exattn.attention(*t, causal=True, backend="naive"), q, k, v, dout)
     full64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ref = fwd_bwd(lambda *t: attention_ref(*t, causal=True), *full64, dout.double())
-    result, ok = {"strategy": strategy, "total_len": args.check_len}, True
+    ok = True
     for name, a, s, n, r in zip(("out", "dq", "dk", "dv"), ours, single, naive, ref):
         s, n, r = (cut(x) for x in (s, n, r))
         floor = FLOORS[q.dtype] * max(1.0, float(r.abs().max()))
         errs = [all_max(max_abs_error(x, r), device) for x in (a, s, n)]
         bad = all_max(float(torch.isnan(a).any()), device) > 0
         passed = not bad and errs[0] <= 2 * errs[2] + floor
-        result[name] = {"err": errs[0], "err_single": errs[1], "err_naive": errs[2], "passed": passed}
+        row[name] = {err_key: errs[0], "err_single": errs[1], "err_naive": errs[2], "passed": passed}
+        if vs_single_key:
+            row[name][vs_single_key] = all_max(max_abs_error(a, s), device)
         ok &= passed
-    result["passed"] = ok
-    return result
+    row["passed"] = ok
+    return row
+
+
+def check_strategy(args, strategy: str, rank: int, world: int, device, mesh) -> dict:
+    """One strategy against the oracle (`check_against_oracle`)."""
+    attend, cut = strategy_fns(strategy, args, rank, world, args.layout, mesh)
+    return check_against_oracle(args, attend, cut, device, {"strategy": strategy, "total_len": args.check_len})
 
 
 def measure_strategy(args, strategy: str, total_len: int, rank: int, world: int, device, mesh) -> dict:
@@ -246,27 +256,10 @@ def measure_strategy(args, strategy: str, total_len: int, rank: int, world: int,
 
 
 def check(args, layout: str, rank: int, world: int, device) -> dict:
-    """Ring vs single-device exattn vs float64 oracle on the full tensors, with the shared rule."""
-    q, k, v, dout = random_inputs(args, args.check_len, device, seed=1234)
-    shards = [shard(x.detach(), rank, world, layout).requires_grad_() for x in (q, k, v)]
-    ring = fwd_bwd(lambda *t: ring_attention(*t, causal=True, layout=layout),
-                   *shards, shard(dout, rank, world, layout))
-    single = fwd_bwd(lambda *t: exattn.attention(*t, causal=True), q, k, v, dout)
-    naive = fwd_bwd(lambda *t: exattn.attention(*t, causal=True, backend="naive"), q, k, v, dout)
-    full64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref = fwd_bwd(lambda *t: attention_ref(*t, causal=True), *full64, dout.double())
-    result, ok = {"layout": layout, "total_len": args.check_len}, True
-    for name, a, s, n, r in zip(("out", "dq", "dk", "dv"), ring, single, naive, ref):
-        s, n, r = (shard(x, rank, world, layout) for x in (s, n, r))
-        floor = FLOORS[q.dtype] * max(1.0, float(r.abs().max()))
-        errs = [all_max(max_abs_error(x, r), device) for x in (a, s, n)]
-        bad = all_max(float(torch.isnan(a).any()), device) > 0
-        passed = not bad and errs[0] <= 2 * errs[2] + floor
-        result[name] = {"err_ring": errs[0], "err_single": errs[1], "err_naive": errs[2],
-                        "ring_vs_single": all_max(max_abs_error(a, s), device), "passed": passed}
-        ok &= passed
-    result["passed"] = ok
-    return result
+    """Ring against the oracle (`check_against_oracle`), with its distance to single-device exattn."""
+    attend, cut = strategy_fns("ring", args, rank, world, layout, None)
+    return check_against_oracle(args, attend, cut, device, {"layout": layout, "total_len": args.check_len},
+                                err_key="err_ring", vs_single_key="ring_vs_single")
 
 
 def measure(args, total_len: int, rank: int, world: int, device) -> dict:
