@@ -171,6 +171,7 @@ def check_compiled(kernel, kind: str, dim: int, causal: bool, dq_mode: str, tma_
 
 # RULES bits (`gluon_backward.backward_rule_bits`) compiled for each kernel and head dim.
 BACKWARD_RULE_SETS = {"window softcap alibi": gf.LEFT.value | gf.SOFTCAP.value | gf.ALIBI.value,
+                      "window softcap": gf.LEFT.value | gf.SOFTCAP.value,
                       "prefix segments": gf.PREFIX.value | gf.SEGMENTS.value,
                       "every rule": gf.LEFT.value | gf.RIGHT.value | gf.SOFTCAP.value | gf.ALIBI.value
                       | gf.PREFIX.value | gf.SEGMENTS.value,

@@ -132,7 +132,7 @@ def rule_placeholders(batch=2, heads=4, n=300) -> tuple:
 
 
 # RULES bits (`gluon_forward.rule_bits`) compiled for each head dim: every rule, packing, both together.
-RULE_SETS = {"window softcap alibi sinks": 15, "prefix segments": 48, "every rule": 63, "packed": 64,
+RULE_SETS = {"window softcap alibi sinks": 15, "window softcap sinks": 11, "prefix segments": 48, "every rule": 63, "packed": 64,
              "packed with rules": 79}
 
 

@@ -83,8 +83,10 @@ from .configs import COUNTS, ceil_div, multiprocessor_count, tma_compatible
 from .dq_order import dq_rank, load_early, settle_dq, sweep_start, sweep_tile, wait_turn
 from .gluon_forward import (
     ALIBI,
+    CAP,
     CONSUMER_REGS,
     DESC_BATCH,
+    INV_CAP,
     K_START,
     KEY_IDS,
     KEY_IDS_STRIDE,
@@ -110,6 +112,7 @@ from .gluon_forward import (
     broadcast_reasons,
     causal_heads_per_group,
     column_positions,
+    fast_tanh,
     first_row,
     gluon_supports,
     key_range,
@@ -298,7 +301,11 @@ def all_allowed(r0, k0, NR: gl.constexpr, NK: gl.constexpr, ctx, one_segment, CA
 @gluon.jit
 def rule_probabilities(s, lse2, q_pos, k_pos, ctx, scale_log2, RULES: gl.constexpr):
     """P = exp2(S' * scale_log2 - lse2) from raw scores s after the rules (`rule_scores`; lse2 broadcast
-    against s), and the softcap's derivative."""
+    against s), and the softcap's derivative. The softcap alone multiplies tanh(s / cap) by cap * scale_log2
+    at once."""
+    if RULES & SOFTCAP and not RULES & ALIBI:
+        capped = fast_tanh(s * ctx[INV_CAP])
+        return gl.exp2(capped * (scale_log2 * ctx[CAP]) - lse2), 1.0 - capped * capped
     s, slope_of_cap = rule_scores(s, q_pos + (ctx[LEN_K] - ctx[LEN_Q]), k_pos, ctx, RULES)
     return gl.exp2(s * scale_log2 - lse2), slope_of_cap
 

@@ -479,6 +479,8 @@ def modified_scores(s, rows, tile, ctx, p_layout: gl.constexpr, RULES: gl.conste
     """Raw scores s of key tile `tile` after the softcap, then ALiBi (`rule_scores`). At d = 64 (P's
     wgmma is 64 wide) ALiBi's positions convert to float32 once per row and column rather than its
     distance once per score, which measured faster there (not at d = 128)."""
+    if RULES & SOFTCAP and not RULES & ALIBI:  # tanh(s / cap) alone: `attend_rows` folds the cap into the scale
+        return fast_tanh(s * ctx[INV_CAP])
     diagonal = rows + (ctx[LEN_K] - ctx[LEN_Q])
     keys = column_positions(s, tile)
     if p_layout.parent.instr_shape[1] == 64:
@@ -668,6 +670,8 @@ def attend_rows(half: gl.constexpr, q, k_smem, v_smem, bars, o_desc, O, LSE, lse
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched = bars
     len_q = ctx[LEN_Q]
+    if RULES & SOFTCAP and not RULES & ALIBI:  # scores in units of the cap (`modified_scores`)
+        scale_log2 = scale_log2 * ctx[CAP]
 
     lo, hi, _, _ = key_range(m0, ctx, BLOCK_N, CAUSAL, RULES, BLOCK_M)
     if PINGPONG:  # every warpgroup takes its turn at every key tile
