@@ -175,6 +175,8 @@ GLUON_RULES = {  # name: keywords of exattn.attention (segment ids from `documen
     "prefix window": dict(window=(64, 0), prefix=70),
     "softcap alone": dict(causal=True, softcap=30.0),
     "alibi alone": dict(alibi=True),  # the dK/dV kernel forms dQ (`dq_in_dkdv_serves`) from 512 query rows
+    "causal alibi": dict(causal=True, alibi=True),  # ALiBi's distance split in row and key terms (`splits_alibi`)
+    "alibi window": dict(window=(150, 0), alibi=True),
     "softcap alibi sinks": dict(causal=True, softcap=30.0, alibi=True, sinks=True),
     "all": dict(window=(200, 0), prefix=50, documents=3, softcap=20.0, alibi=True, sinks=True),
 }

@@ -121,10 +121,8 @@ SHORT_MEAN_KEYS = 1024
 # of 64-1024 tokens, forward ms in three rounds against CONFIGS: the short schedule read 1.38x causal and
 # 1.01x full at d = 64. At d = 128 it read 0.177-0.179 against 0.209-0.210 causal (1.17x), and with 64-key
 # tiles (a warpgroup's last tile then ends at most 63 keys past its diagonal) 0.170 (1.23x), full 0.279-0.281
-# against 0.285-0.287. With 64-key tiles in RAGGED_SHORT_CONFIGS[128] the GPU oracle tests of test_varlen.py and
-# test_gluon_forward.py pass (zero-length sequences, Nq != Nk, bf16 and fp16); d = 128 keeps CONFIGS until the
-# varlen table has measured it. Dense short problems keep 128-key tiles: 64 read 0.85-1.03x there.
-RAGGED_SHORT_CONFIGS = {64: SHORT_CONFIGS[64]}
+# against 0.285-0.287. Dense short problems keep 128-key tiles: 64 read 0.85-1.03x there.
+RAGGED_SHORT_CONFIGS = {64: SHORT_CONFIGS[64], 128: SHORT_CONFIGS[128]._replace(block_n=64)}
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 KEY_TILE: gl.constexpr = gl.constexpr(128)  # keys per tile wherever a prefix or segment ids are in use
@@ -166,6 +164,21 @@ MASKED_FROM_FULL: gl.constexpr = gl.constexpr(2)
 def wgmma_layout(n):
     """Register layout of a [64, n] wgmma accumulator of one 4-warp warpgroup."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def keys_left_of_diagonal(causal, rules):
+    """Whether no row may see a key past its diagonal (causal, without a right bound beyond it or a prefix):
+    ALiBi's distance is then diagonal - key, which splits at any reference key into a row term and a
+    key term (`modified_scores`, `softmax_tile`)."""
+    return bool(causal) and not rules & (RIGHT.value | PREFIX.value)
+
+
+@gluon.constexpr_function
+def splits_alibi(causal, rules, p_layout):
+    """Whether the forward splits ALiBi's distance (`keys_left_of_diagonal`): not at d = 64 (P's wgmma 64
+    wide), where the key term's registers would spill with the softcap or a window."""
+    return bool(rules & ALIBI.value) and keys_left_of_diagonal(causal, rules) and p_layout.parent.instr_shape[1] != 64
 
 
 @gluon.jit
@@ -475,12 +488,17 @@ def column_positions(s, tile):
 
 
 @gluon.jit
-def modified_scores(s, rows, tile, ctx, p_layout: gl.constexpr, RULES: gl.constexpr):
-    """Raw scores s of key tile `tile` after the softcap, then ALiBi (`rule_scores`). At d = 64 (P's
-    wgmma is 64 wide) ALiBi's positions convert to float32 once per row and column rather than its
-    distance once per score, which measured faster there (not at d = 128)."""
+def modified_scores(s, rows, tile, ctx, p_layout: gl.constexpr, CAUSAL: gl.constexpr, RULES: gl.constexpr):
+    """Raw scores s of key tile `tile` after the softcap, then ALiBi (`rule_scores`). Where ALiBi's distance
+    splits (`splits_alibi`), it adds only slope * (key - the tile's first key) here: `softmax_tile`
+    subtracts the row term slope * (diagonal - that key). At d = 64 (P's wgmma is 64 wide) ALiBi's
+    positions convert to float32 once per row and column rather than its distance once per score, which
+    measured faster there (not at d = 128)."""
     if RULES & SOFTCAP and not RULES & ALIBI:  # tanh(s / cap) alone: `attend_rows` folds the cap into the scale
         return fast_tanh(s * ctx[INV_CAP])
+    if splits_alibi(CAUSAL, RULES, p_layout):
+        s, _ = rule_scores(s, 0, 0, ctx, RULES & SOFTCAP)
+        return gl.expand_dims(int_as_float(column_positions(s, 0)), 0) * ctx[SLOPE] + s
     diagonal = rows + (ctx[LEN_K] - ctx[LEN_Q])
     keys = column_positions(s, tile)
     if p_layout.parent.instr_shape[1] == 64:
@@ -573,19 +591,26 @@ def softmax_tile(s, m_i, l_i, rows, tile, ctx, row_ids, bounds, scale_log2, dtyp
     """Fold raw scores s of key tile `tile` into (m_i, l_i); returns P (dot operand), new m, l, alpha.
     MASK: UNMASKED, MASKED, or MASKED_FROM_FULL (masked where `needs_mask` says, bounds =
     (full_lo, full_hi, `segment_full_tiles`))."""
-    s = modified_scores(s, rows, tile, ctx, p_layout, RULES)
+    s = modified_scores(s, rows, tile, ctx, p_layout, CAUSAL, RULES)
     if MASK == MASKED:
         s = masked_scores(s, rows, tile, ctx, row_ids, CAUSAL, RULES)
     if MASK == MASKED_FROM_FULL:
         if needs_mask(tile, bounds[0], bounds[1], ctx, bounds[2], RULES):
             s = masked_scores(s, rows, tile, ctx, row_ids, CAUSAL, RULES)
-    m_new = gl.maximum(m_i, gl.reduce(s, 1, larger))
+    tile_max = gl.reduce(s, 1, larger)
+    if splits_alibi(CAUSAL, RULES, p_layout):  # ALiBi's row term (`modified_scores`)
+        row_term = ctx[SLOPE] * int_as_float(rows + (ctx[LEN_K] - ctx[LEN_Q]) - tile * s.shape[1])
+        tile_max = tile_max - row_term
+    m_new = gl.maximum(m_i, tile_max)
     m_shift = m_new
     if MASK != UNMASKED:  # no allowed key yet: shift by 0, keep m = -inf (`forward_kernel.forward_segment`)
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     m_scaled = m_shift * scale_log2
     alpha = gl.exp2(m_i * scale_log2 - m_scaled)
-    p = gl.exp2(s * scale_log2 - gl.expand_dims(m_scaled, 1))
+    shift = m_scaled
+    if splits_alibi(CAUSAL, RULES, p_layout):
+        shift = m_scaled + row_term * scale_log2
+    p = gl.exp2(s * scale_log2 - gl.expand_dims(shift, 1))
     l_i = l_i * alpha + gl.reduce(p, 1, plus)
     p = gl.convert_layout(paired_cast(p, dtype), p_layout)
     return p, m_new, l_i, alpha
