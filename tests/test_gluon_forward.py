@@ -291,7 +291,9 @@ def test_short_problems_take_the_short_schedule():
     assert gf.forward_config(64, 512, 512, False, gf.VARLEN.value | gf.ALIBI.value) is long
     assert gf.forward_config(64, 512, 512, True, gf.VARLEN.value, ragged=True) is short
     assert gf.forward_config(128, 512, 512, True, gf.VARLEN.value) is gf.SHORT_CONFIGS[128]
-    assert gf.forward_config(128, 512, 512, True, gf.VARLEN.value, ragged=True) is gf.CONFIGS[128]
+    assert gf.forward_config(128, 512, 512, True, gf.VARLEN.value, ragged=True) is gf.RAGGED_SHORT_CONFIGS[128]
+    assert gf.RAGGED_SHORT_CONFIGS[128].block_n == 64
+    assert gf.forward_config(128, 4096, 4096, True, gf.VARLEN.value, ragged=True) is gf.CONFIGS[128]
     assert gf.forward_config(128, 2048, 2048, True, 0) is gf.SHORT_CONFIGS[128]
     assert gf.forward_config(128, 4096, 4096, True, 0) is gf.CONFIGS[128]
     for cfg in gf.SHORT_CONFIGS.values():
@@ -308,7 +310,7 @@ def test_packed_problems_of_equal_lengths_take_the_dense_schedule():
     packing = Packing(cu, cu, 512, 512)
     assert gf.launch_config(equal, equal, True, gf.VARLEN.value, packing) is gf.SHORT_CONFIGS[128]
     ragged = Packing(cu, cu, 600, 512)
-    assert gf.launch_config(equal, equal, True, gf.VARLEN.value, ragged) is gf.CONFIGS[128]
+    assert gf.launch_config(equal, equal, True, gf.VARLEN.value, ragged) is gf.RAGGED_SHORT_CONFIGS[128]
     narrow = equal[:, :, :64]
     assert gf.launch_config(narrow, narrow, True, gf.VARLEN.value, ragged) is gf.RAGGED_SHORT_CONFIGS[64]
     dense = torch.empty(4, 4, 512, 128)
