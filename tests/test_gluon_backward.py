@@ -210,6 +210,9 @@ def test_rule_variants_compile_for_sm90(kind, dim, causal, rules, tmp_path):
     ptx = kernel.asm["ptx"]
     assert "setmaxnreg.inc" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
     assert ("tanh.approx.f32" in ptx) == bool(BACKWARD_RULE_SETS[rules] & gf.SOFTCAP.value)
+    if BACKWARD_RULE_SETS[rules] & gf.ALIBI.value:  # `backward_splits_alibi`: no |distance| per score
+        split = dim == 64 and causal and not BACKWARD_RULE_SETS[rules] & (gf.PREFIX.value | gf.RIGHT.value)
+        assert ("abs.f32" in ptx) != split
 
 
 @pytest.mark.parametrize("dim", [128, 64])

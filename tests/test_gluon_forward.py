@@ -152,6 +152,9 @@ def test_rule_variants_compile_for_sm90(dim, causal, rules, schedule, tmp_path):
     ptx = kernel.asm["ptx"]
     assert "setmaxnreg.inc" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
     assert ("tanh.approx.f32" in ptx) == bool(RULE_SETS[rules] & gf.SOFTCAP.value)
+    if RULE_SETS[rules] & gf.ALIBI.value:  # a split distance (`splits_alibi`) takes no |distance| per score
+        split = dim == 128 and causal and not RULE_SETS[rules] & (gf.PREFIX.value | gf.RIGHT.value)
+        assert ("abs.f32" in ptx) != split
     if dim == 128:  # no score's ALiBi distance converts by cvt (`int_as_float`): a few scalar conversions
         assert len(re.findall(r"cvt\.rn\.f32\.[su]32", ptx)) <= 8
 
