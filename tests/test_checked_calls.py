@@ -164,3 +164,68 @@ def test_kept_decode_calls_take_their_replay_plan(monkeypatch):
     (_, kept), = checked_calls.KNOWN.values()
     assert (kept is not None) == (DEVICE == "cuda")
     assert torch.equal(calls[0], calls[2])
+
+
+varlen_module = importlib.import_module("exattn.varlen")
+
+
+def packed_case(seed: int, requires_grad=False):
+    """q, k, v of 3 packed sequences (lengths 7, 0, 12), and their offsets."""
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(19, 4, 16, device=DEVICE, requires_grad=requires_grad) for _ in range(3))
+    return q, k, v, torch.tensor([0, 7, 7, 19], dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "auto"])
+def test_varlen_with_a_known_signature_skips_the_checks_but_not_new_offsets(backend, monkeypatch):
+    checks = counted(monkeypatch, varlen_module, "make_varlen_problem")
+    q, k, v, cu = packed_case(13)
+    first = exattn.attention_varlen(q, k, v, cu, cu, 12, 12, causal=True, backend=backend)
+    q, k, v, cu = packed_case(14)
+    again = exattn.attention_varlen(q, k, v, cu, cu, 12, 12, causal=True, backend=backend, return_lse=True)
+    assert len(checks) == 1, "the second call was validated again"
+    checked_calls.KNOWN.clear()
+    expected = exattn.attention_varlen(q, k, v, cu, cu, 12, 12, causal=True, backend=backend, return_lse=True)
+    assert first.shape == again[0].shape
+    for got, want in zip(again, expected):
+        assert torch.equal(got, want)
+    falling = torch.tensor([0, 12, 7, 19], dtype=torch.int32, device=DEVICE)  # the same layout, bad values
+    with pytest.raises(ValueError, match="non-decreasing"):
+        exattn.attention_varlen(q, k, v, falling, cu, 12, 12, causal=True, backend=backend)
+    good = cu.clone()
+    cu[3] = 18  # written since it was checked
+    with pytest.raises(ValueError, match="must end at total_k = 19"):
+        exattn.attention_varlen(q, k, v, good, cu, 12, 12, causal=True, backend=backend)
+    with pytest.raises(TypeError, match="validate"):
+        exattn.attention_varlen(q, k, v, cu, cu, 12, 12, causal=True, backend=backend, validate=1)
+    with pytest.raises(TypeError, match="max_seqlen_q"):
+        exattn.attention_varlen(q, k, v, cu, cu, 12.0, 12, causal=True, backend=backend)
+
+
+def test_kept_varlen_calls_keep_gradients_and_take_their_replay_plans():
+    """Kept calls give the checked gradients; on CUDA the third call of a signature runs the plans its
+    passes recorded, forward and backward, and matches a checked call bitwise."""
+    from exattn.backends.planned import PlannedPasses
+
+    results = []
+    for seed in (15, 16, 17):
+        q, k, v, cu = packed_case(seed, requires_grad=True)
+        out = exattn.attention_varlen(q, k, v, cu, cu, 12, 12, causal=True)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    (_, passes), = checked_calls.KNOWN.values()
+    assert isinstance(passes, PlannedPasses) == (DEVICE == "cuda")
+    checked_calls.KNOWN.clear()
+    out = exattn.attention_varlen(q, k, v, cu, cu, 12, 12, causal=True)
+    q.grad = k.grad = v.grad = None
+    out.backward(torch.ones_like(out))
+    for got, want in zip(results[-1], (out.detach(), q.grad, k.grad, v.grad)):
+        assert torch.equal(got, want)
+
+
+def test_varlen_calls_with_rule_tensors_or_a_drawn_seed_are_never_kept():
+    q, k, v, cu = packed_case(18)
+    exattn.attention_varlen(q, k, v, cu, cu, 12, 12, sinks=torch.rand(4, device=DEVICE), backend="tiled")
+    exattn.attention_varlen(q, k, v, cu, cu, 12, 12, dropout_p=0.1, backend="tiled")
+    exattn.attention_varlen(q, k, v, cu, cu, 12, 12, backend="naive")
+    assert not checked_calls.KNOWN

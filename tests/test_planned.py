@@ -51,20 +51,20 @@ def planned_forward():
     passes = fresh()
     q, k, v = qkv()
     passes.forward(q, k, v, None, "params")
-    planned = planned_passes(passes, q, k, v, "params")
+    planned = planned_passes(passes, q, k, v, None, "params")
     return passes, planned, q, k, v, *planned.forward(q, k, v, None, "params")
 
 
 def test_nothing_is_planned_before_the_passes_recorded_or_without_plans():
     passes = fresh()
-    assert planned_passes(passes, *qkv(), "params") is None
-    assert planned_passes(type("Plain", (), {"forward": staticmethod(lambda *a: None)}), *qkv(), "params") is None
+    assert planned_passes(passes, *qkv(), None, "params") is None
+    assert planned_passes(type("Plain", (), {"forward": staticmethod(lambda *a: None)}), *qkv(), None, "params") is None
 
 
 def test_the_forward_plan_runs_without_the_passes_and_the_backward_plan_is_keyed_on_dout():
     passes = fresh()
     passes.forward(*qkv(), None, "params")
-    planned = planned_passes(passes, *qkv(), "params")
+    planned = planned_passes(passes, *qkv(), None, "params")
     assert isinstance(planned, PlannedPasses)
     q, k, v = qkv()
     out, lse = planned.forward(q, k, v, None, "params")

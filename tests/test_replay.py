@@ -315,9 +315,19 @@ class Launcher:
         self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
 
 
+def tensor_at(address: int, n: int) -> torch.Tensor:
+    """The n float32s at a host address, as a launcher dereferences a pointer argument given as an int."""
+    import ctypes
+
+    import numpy as np
+
+    return torch.from_numpy(np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), (n,)))
+
+
 def test_direct_launches_pass_the_launcher_what_triton_would_and_encode_a_base_once(monkeypatch):
     """A replay calls the launcher under Triton's descriptor wrapper itself, with the arguments the
-    wrapper would have made, and encodes a descriptor again only for a base address it has not seen."""
+    wrapper would have made (pointer arguments as their addresses), and encodes a descriptor again only
+    for a base address it has not seen."""
     from triton.backends.nvidia import driver
 
     encoded = []
@@ -332,6 +342,7 @@ def test_direct_launches_pass_the_launcher_what_triton_would_and_encode_a_base_o
     def raw(*args):
         received.append(args)
         tensor_map, _, _, y, out, n, scale = args[len(replay.BASE_ARGS_FORMAT):]
+        y, out = (tensor_at(p, n) if isinstance(p, int) else p for p in (y, out))
         out[:n].copy_((tensor_map.base[:n] + y[:n]) * scale)
 
     signature = {"X": "tensordesc<fp32[4]>", "Y": "*fp32", "OUT": "*fp32", "n": "i32", "SCALE": "constexpr"}
@@ -344,7 +355,7 @@ def test_direct_launches_pass_the_launcher_what_triton_would_and_encode_a_base_o
 
     @replay.replayable()
     def through_descriptor(x, y):
-        out = torch.empty_like(x)
+        out = torch.empty(x.numel() + 1)[1:]  # a view of a buffer: its address is the buffer's + 4 bytes
         replay.run_kernel(kernel, (1,), Descriptor(x), y, out, x.numel(), SCALE=2.0)
         return out
 
@@ -366,7 +377,7 @@ def test_direct_launches_pass_the_launcher_what_triton_would_and_encode_a_base_o
         if isinstance(want, TensorMap):
             assert got.base is x and want.base is x
         elif isinstance(want, torch.Tensor):
-            assert got.data_ptr() == want.data_ptr()
+            assert got == want.data_ptr()  # a pointer argument goes as its address
         else:
             assert got == want
 

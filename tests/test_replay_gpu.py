@@ -95,3 +95,36 @@ def test_replayed_decode_matches_and_still_reports_bad_lengths(paged, rules, mon
     run_decode(q, k, v, torch.full_like(lens, 10**6), table)  # replayed: its kernels record the error
     with pytest.raises(ValueError, match="cache_seqlens"):
         exattn.check_errors()
+
+
+VARLEN_CASES = {  # the Gluon forward and packed backward; the Triton kernels for short sequences
+    "gluon d128 causal": dict(lengths=[1100, 0, 1500, 77], head_dim=128, heads=(8, 2), causal=True),
+    "triton d64 full": dict(lengths=[300, 500, 129], head_dim=64, heads=(4, 4), causal=False),
+}
+
+
+def run_varlen(case: dict, seed: int):
+    torch.manual_seed(seed)
+    total, (hq, hk), d = sum(case["lengths"]), case["heads"], case["head_dim"]
+    q = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(case["lengths"]).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    longest = max(case["lengths"])
+    out, lse = exattn.attention_varlen(q, k, v, cu, cu, longest, longest, causal=case["causal"], return_lse=True,
+                                       backend="triton")
+    out.backward(torch.randn_like(out))
+    return [out, lse, q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_replayed_varlen_calls_match_the_passes_bitwise(name, monkeypatch):
+    case = VARLEN_CASES[name]
+    replay.clear()
+    monkeypatch.setattr(settings, "replay", False)
+    expected = [run_varlen(case, seed) for seed in (1, 2, 3)]
+    monkeypatch.setattr(settings, "replay", True)
+    for seed, want in zip((1, 2, 3), expected):  # recorded, replayed, then through the kept plans
+        for x, y in zip(want, run_varlen(case, seed)):
+            assert torch.equal(x, y)
+    assert not replay.REFUSED, dict(replay.REFUSED)
+    assert len(replay.PLANS) == 2  # the forward and the backward pass

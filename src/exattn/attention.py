@@ -8,8 +8,8 @@ import torch
 
 from .backends import BackendChoice, choose_backend, get_backend
 from .backends.autograd import fused_attention
-from .backends.planned import PlannedPasses, planned_passes
-from .checked_calls import call_signature, known_call, remember
+from .backends.planned import keep_planned
+from .checked_calls import call_signature, keepable, known_call, remember
 from .problem import check_bool, make_problem
 
 FUSED_BACKENDS = ("triton", "tiled")  # run through their passes (`fused_attention`)
@@ -91,18 +91,14 @@ def attention(
     check_bool("return_lse", return_lse)
     signature = None
     if (mask is None and segment_ids is None and prefix is None and alibi_slopes is None and sinks is None
-            and (seed is not None or (type(dropout_p) in (int, float) and dropout_p == 0))
-            and not torch.compiler.is_compiling()):
+            and keepable(dropout_p, seed)):
         signature = call_signature("attention", (q, k, v), window,
                                    (causal, scale, dropout_p, seed, block_m, block_n, softcap, backend))
         known = known_call(signature)
         if known is not None:
             params, passes = known
             out, lse = fused_attention(passes, q, k, v, None, params)
-            if type(passes) is not PlannedPasses:
-                planned = planned_passes(passes, q, k, v, params)
-                if planned is not None:
-                    remember(signature, (params, planned))
+            keep_planned(signature, params, passes, q, k, v, None, params)
             return (out, lse.to(torch.float32)) if return_lse else out
     problem = problem_from_args(
         q, k, v, causal, window, mask, scale, dropout_p, seed, block_m, block_n, segment_ids=segment_ids,

@@ -1,9 +1,9 @@
-"""The checks of a call to an entry point (`exattn.attention`, `exattn.decode`), kept per call signature:
-a later call with the same signature skips validation and the backend choice, and goes straight to the
-kernels' passes.
+"""The checks of a call to an entry point (`exattn.attention`, `attention_varlen`, `decode`), kept per
+call signature: a later call with the same signature skips validation and the backend choice, and goes
+straight to the kernels' passes.
 
-A signature is what those depend on: the entry point, each tensor argument's layout (values are never
-read by validation), every other argument's type and value (True and 1 differ), and whether Triton runs
+A signature is what those depend on: the entry point, each tensor argument's layout (validation reads
+no values, but for `attention_varlen`'s offsets, which a kept call checks once per tensor still), every other argument's type and value (True and 1 differ), and whether Triton runs
 in its interpreter (`TRITON_INTERPRET`). The entry points keep only calls whose checked form holds no
 tensor made for the call, outside `torch.compile`'s tracing. A layout is what the kernels' launches are
 specialized on as well (shape, strides, dtype, device, 16-byte alignment), so what a call keeps may
@@ -42,6 +42,13 @@ def call_signature(entry: str, tensors: tuple, window, options: tuple) -> tuple 
     except TypeError:
         return None
     return key
+
+
+def keepable(dropout_p, seed) -> bool:
+    """Whether a call's checked form can be kept, as far as dropout and tracing go: its seed is given (a
+    drawn one differs per call) or it has no dropout, and torch.compile is not tracing it."""
+    return ((seed is not None or (type(dropout_p) in (int, float) and dropout_p == 0))
+            and not torch.compiler.is_compiling())
 
 
 def tensor_layout(x: torch.Tensor) -> tuple:

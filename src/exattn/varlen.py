@@ -45,7 +45,9 @@ from .backends import AUTO_PRIORITY, BackendChoice, check_backend_name
 from .backends.autograd import no_gradients, returned_with_lse, row_delta, wants_grad
 from .backends.custom_ops import PACKED, define_attention_ops
 from .backends.naive import NaiveBackend
+from .backends.planned import keep_planned
 from .backends.tiled import tiled_backward, tiled_forward
+from .checked_calls import call_signature, keepable, known_call, remember
 from .masks import lse_without_keys, sinks_grad
 from .problem import (
     AttentionParams,
@@ -483,22 +485,44 @@ def choose_varlen_backend(problem: VarlenProblem, name: str = "auto") -> Backend
     raise ValueError(f"backend {name!r} cannot serve these inputs ({details})")
 
 
-def run_varlen(problem: VarlenProblem, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) from the chosen backend; lse (Hq, total_q) may be float64 for float64 inputs."""
+def run_varlen(problem: VarlenProblem, backend: str = "auto", signature=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) from the chosen backend; lse (Hq, total_q) may be float64 for float64 inputs. A fused
+    backend's choice is kept for `signature` (`exattn.checked_calls`)."""
     name = choose_varlen_backend(problem, backend).name
     if name == "naive":
         return naive_varlen(problem)
     packing = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.max_seqlen_q, problem.max_seqlen_k)
     if torch.compiler.is_compiling():
         return VARLEN_OPS[name].attend(problem.q, problem.k, problem.v, packing, problem.params, problem.rules)
-    passes, rules = VARLEN_PASSES[name](), problem.rules
-    if not wants_grad(problem.q, problem.k, problem.v, None if rules is None else rules.sinks):
-        extra = {} if rules is None else {"rules": rules}  # the forward pass alone: no autograd node
-        return passes.forward(problem.q, problem.k, problem.v, *packing, problem.params, **extra)
-    args = (problem.q, problem.k, problem.v, *packing, problem.params, passes)
+    passes = VARLEN_PASSES[name]()
+    remember(signature, (problem.params, passes))
+    return varlen_attention(passes, problem.q, problem.k, problem.v, packing, problem.params, problem.rules)
+
+
+def varlen_attention(passes, q, k, v, packing: tuple, params: AttentionParams,
+                     rules: ScoreRules | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) through a backend's passes: `VarlenAttention` where a gradient is wanted, else the
+    forward pass alone (no autograd node)."""
+    if not wants_grad(q, k, v, None if rules is None else rules.sinks):
+        extra = {} if rules is None else {"rules": rules}
+        return passes.forward(q, k, v, *packing, params, **extra)
     if rules is None:
-        return VarlenAttention.apply(*args)
-    return VarlenAttention.apply(*args, rules, rules.sinks)
+        return VarlenAttention.apply(q, k, v, *packing, params, passes)
+    return VarlenAttention.apply(q, k, v, *packing, params, passes, rules, rules.sinks)
+
+
+def run_kept(signature: tuple, known: tuple, q, k, v, cu_q, cu_k, max_q: int, max_k: int,
+             validate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call whose signature was checked before: only the offsets' values are checked again (once per
+    offsets tensor), then the kept passes run, and keep their forward's replay plan."""
+    params, passes = known
+    if validate:
+        check_offsets_once("cu_seqlens_q", cu_q, q.shape[0], "total_q", max_q, "max_seqlen_q")
+        check_offsets_once("cu_seqlens_k", cu_k, k.shape[0], "total_k", max_k, "max_seqlen_k")
+    packing = (cu_q, cu_k, max_q, max_k)
+    out, lse = varlen_attention(passes, q, k, v, packing, params)
+    keep_planned(signature, params, passes, q, k, v, *packing, params)
+    return out, lse
 
 
 # ---------------------------------------------------------------- public entry points
@@ -576,13 +600,24 @@ def attention_varlen(
         in q, k, v.
     """
     check_bool("return_lse", return_lse)
+    signature = None
+    if prefix is None and alibi_slopes is None and sinks is None and keepable(dropout_p, seed):
+        signature = call_signature(
+            "attention_varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k), window,
+            (max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, seed, block_m, block_n, validate, softcap, backend),
+        )
+        known = known_call(signature)
+        if known is not None:
+            out, lse = run_kept(signature, known, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                validate)
+            return (out, lse.to(torch.float32)) if return_lse else out
     problem = make_varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         window=window, scale=scale, dropout_p=dropout_p, seed=seed, block_m=block_m,
         block_n=block_n, validate=validate, prefix=prefix, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks,
     )
-    out, lse = run_varlen(problem, backend)
+    out, lse = run_varlen(problem, backend, signature)
     if not return_lse:
         return out
     return out, lse.to(torch.float32)

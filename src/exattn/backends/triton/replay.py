@@ -91,8 +91,9 @@ class DescriptorFill(NamedTuple):
 
 class DirectLaunch(NamedTuple):
     """A `Launch` through the launcher under Triton's descriptor wrapper (`direct_launch`): the
-    wrapper's per-call loop over every argument, and the re-encoding of a descriptor whose base is
-    where it was in an earlier call, are skipped. `launch` is the recorded launch (for hooks)."""
+    wrapper's per-call loop over every argument, the views of pointer arguments (their addresses go
+    instead), and the re-encoding of a descriptor whose base is where it was in an earlier call, are
+    skipped. `launch` is the recorded launch (for hooks)."""
 
     launch: Launch
     raw: Callable
@@ -104,7 +105,7 @@ class DirectLaunch(NamedTuple):
     def run(self, tensors: list[Tensor], stream: int) -> None:
         args = list(self.args)
         for position, ref in self.tensors:
-            args[position] = tensors[ref.index] if ref.view is None else resolve(ref, tensors)
+            args[position] = address(ref, tensors)
         for fill in self.descriptors:
             args[fill.start:fill.start + fill.width] = descriptor_words(fill, tensors)
         launch, compiled = self.launch, self.launch.compiled
@@ -116,17 +117,23 @@ MAX_DESCRIPTORS_KEPT = 64  # per descriptor argument of a plan: the base address
 
 
 def descriptor_words(fill: DescriptorFill, tensors: list[Tensor]) -> list:
-    base = resolve(fill.ref.ref, tensors)
-    address = base.data_ptr()
-    words = fill.made.get(address)
+    base = address(fill.ref.ref, tensors)
+    words = fill.made.get(base)
     if words is None:
         descriptor = copy.copy(fill.ref.template)
-        descriptor.base = base
+        descriptor.base = resolve(fill.ref.ref, tensors)
         words = make_tensordesc_arg(descriptor, fill.meta)
         if len(fill.made) >= MAX_DESCRIPTORS_KEPT:
             fill.made.clear()
-        fill.made[address] = words
+        fill.made[base] = words
     return words
+
+
+def address(ref: Ref, tensors: list[Tensor]) -> int:
+    """The device address of the tensor `ref` names, without building its view: all a launcher reads of
+    a pointer argument (an int skips the launcher's own `data_ptr` call and pointer query)."""
+    x = tensors[ref.index]
+    return x.data_ptr() if ref.view is None else x.data_ptr() + ref.view[0] * x.element_size()
 
 
 def make_tensordesc_arg(descriptor, meta) -> list:

@@ -36,6 +36,8 @@ def triton_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, params: A
     return triton_forward(q, k, v, None, params, packing, rules)
 
 
+@replayable(replay_key, lambda dout, q, k, v, cu_q, cu_k, max_q, max_k, out, lse, params, rules=None:
+            replays(q, params.dropout_p))
 def triton_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out, lse, params: AttentionParams,
                            rules=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in the dtypes and token-major shapes of q, k, v. On Hopper the Gluon backward serves
