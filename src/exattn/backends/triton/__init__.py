@@ -37,8 +37,9 @@ GLUON_FORWARD_MIN_LEN = {64: 1, 128: 1}
 GLUON_BACKWARD_MIN_LEN = {64: 512, 128: 512}
 # Packed batches, by their longest query sequence: at d = 64 the Triton kernels read 1.22-1.52x the Gluon
 # backward on documents of 64-1024 tokens (longest 976), the Gluon one 1.11-1.18x theirs at 2048 and
-# 0.96-1.11x at 4289 (H200, bf16, 16k tokens, the varlen table's packings).
-GLUON_PACKED_BACKWARD_MIN_LEN = {64: 2048, 128: 1024}
+# 0.96-1.11x at 4289 (H200, bf16, 16k tokens, the varlen table's packings). At d = 128 the Gluon backward
+# reads 1.12x (full) and 1.32x (causal) the Triton kernels on those documents of 64-1024 tokens (H100).
+GLUON_PACKED_BACKWARD_MIN_LEN = {64: 2048, 128: 1}
 GLUON_HEAD_DIMS = tuple(GLUON_FORWARD_MIN_LEN)
 GLUON_BACKWARD_HEAD_DIMS = tuple(GLUON_BACKWARD_MIN_LEN)
 GLUON_TRITON = (3, 6)
