@@ -3,8 +3,9 @@ call signature: a later call with the same signature skips validation and the ba
 straight to the kernels' passes.
 
 A signature is what those depend on: the entry point, each tensor argument's layout (validation reads
-no values, but for `attention_varlen`'s offsets, which a kept call checks once per tensor still), every other argument's type and value (True and 1 differ), and whether Triton runs
-in its interpreter (`TRITON_INTERPRET`). The entry points keep only calls whose checked form holds no
+no values, but for `attention_varlen`'s offsets, which a kept call still checks once per tensor), every
+other argument's type and value (True and 1 differ), and whether Triton runs in its interpreter
+(`TRITON_INTERPRET`). The entry points keep only calls whose checked form holds no
 tensor made for the call, outside `torch.compile`'s tracing. A layout is what the kernels' launches are
 specialized on as well (shape, strides, dtype, device, 16-byte alignment), so what a call keeps may
 also hold the replay plans of its launches (`backends/planned.py`).

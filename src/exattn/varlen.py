@@ -163,6 +163,12 @@ def check_offsets_once(name: str, offsets: torch.Tensor, total: int, total_name:
     CHECKED_OFFSETS[key] = (weakref.ref(offsets), offsets._version)
 
 
+def check_both_offsets_once(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: int,
+                            max_k: int) -> None:
+    check_offsets_once("cu_seqlens_q", cu_q, total_q, "total_q", max_q, "max_seqlen_q")
+    check_offsets_once("cu_seqlens_k", cu_k, total_k, "total_k", max_k, "max_seqlen_k")
+
+
 def check_offset_values(name: str, offsets: list[int], total: int, total_name: str,
                         max_seqlen: int, max_name: str) -> None:
     """The rules that need the offsets' values: start at 0, non-decreasing, end at the total,
@@ -213,8 +219,7 @@ def make_varlen_problem(
         raise ValueError("validate=True reads the offsets to the host, which torch.compile cannot trace: "
                          "pass validate=False there (and check the offsets outside the compiled code)")
     if validate:
-        check_offsets_once("cu_seqlens_q", cu_q, q.shape[0], "total_q", max_q, "max_seqlen_q")
-        check_offsets_once("cu_seqlens_k", cu_k, k.shape[0], "total_k", max_k, "max_seqlen_k")
+        check_both_offsets_once(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
     params = make_params(
         q.shape[2], causal=causal, window=window, scale=scale, dropout_p=dropout_p, seed=seed,
         block_m=block_m, block_n=block_n, softcap=softcap,
@@ -517,8 +522,7 @@ def run_kept(signature: tuple, known: tuple, q, k, v, cu_q, cu_k, max_q: int, ma
     offsets tensor), then the kept passes run, and keep their forward's replay plan."""
     params, passes = known
     if validate:
-        check_offsets_once("cu_seqlens_q", cu_q, q.shape[0], "total_q", max_q, "max_seqlen_q")
-        check_offsets_once("cu_seqlens_k", cu_k, k.shape[0], "total_k", max_k, "max_seqlen_k")
+        check_both_offsets_once(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
     packing = (cu_q, cu_k, max_q, max_k)
     out, lse = varlen_attention(passes, q, k, v, packing, params)
     keep_planned(signature, params, passes, q, k, v, *packing, params)
