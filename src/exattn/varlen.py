@@ -612,8 +612,8 @@ def attention_varlen(
         )
         known = known_call(signature)
         if known is not None:
-            out, lse = run_kept(signature, known, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                validate)
+            out, lse = run_kept(signature, known, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                int(max_seqlen_k), validate)  # as `check_max_seqlen` gave them
             return (out, lse.to(torch.float32)) if return_lse else out
     problem = make_varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
