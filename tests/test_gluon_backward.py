@@ -85,7 +85,7 @@ def launch_arguments(kind: str, dim: int, dtype: torch.dtype, accumulate: bool, 
         args = (*args, 0.5, 0.1, *dkdv_rules)
         stages = dict(STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots, ALTERNATE_DQ=cfg.alternate_dq)
     else:
-        args, _ = gb.dq_arguments(q, q, k, v, lse2, delta, dq, pad, cfg, False)
+        args, _ = gb.dq_arguments(q, q, k, v, q, torch.empty(2, 4, 300), dq, cfg, False)
         args = (*args, 0.5, 0.1, *dq_rules)
         stages = dict(STAGES=cfg.dq_stages)
     return args, dict(**stages, **gb.kernel_options(cfg, False, accumulate))
@@ -733,6 +733,55 @@ def test_packed_backward_stores_dk_dv_from_registers_into_packed_gradients(monke
         view = argument(kernel, real, name)
         assert view.shape == (1, grad.shape[1], grad.shape[0], 64) and view.data_ptr() == grad.data_ptr()
     assert dkdv.grids == [(gf.ceil_div(300, 128) * 4 * 2,)] and dq_kernel.grids == [(gf.ceil_div(300, 128) * 4 * 4,)]
+
+
+@pytest.mark.parametrize("packed,accumulate", [(False, False), (True, False), (False, True)])
+def test_row_statistics_live_in_the_bytes_of_dq(packed, accumulate, monkeypatch):
+    """`row_stats` (Triton's interpreter runs it) writes lse * log2 e and delta into dq's first bytes when the
+    backward makes dq (else into a buffer of their own): the dK/dV kernel, their only reader, sees them
+    whole, and the dQ kernel, which writes dq after it, gets the forward's lse and out instead."""
+    from exattn.backends.triton.passes import Packing
+
+    monkeypatch.setattr(gb.settings, "ordered_dq", False)
+    real_dkdv, real_dq = gb.gluon_dkdv_kernel, gb.gluon_dq_kernel
+    seen = {}
+
+    def read_stats(args):
+        for name in ("lse_desc", "delta_desc"):
+            stats = args[real_dkdv.arg_names.index(name)].base
+            seen[name] = (stats.clone(), stats.untyped_storage().data_ptr())
+
+    dkdv, dq_kernel = FakeKernel(read_stats), FakeKernel(lambda args: args[DQ_OUT].fill_(3.0))
+    monkeypatch.setattr(gb, "gluon_dkdv_kernel", dkdv)
+    monkeypatch.setattr(gb, "gluon_dq_kernel", dq_kernel)
+    torch.manual_seed(3)
+    params = AttentionParams(scale=0.1, window=(-1, 0))
+    if packed:
+        cu = torch.tensor([0, 70, 70, 131], dtype=torch.int32)
+        q, k, v, out, dout = (torch.randn(131, heads, 64).half() for heads in (4, 2, 2, 4, 4))
+        lse = torch.randn(4, 131)
+        dq, _, _ = gb.run_gluon_backward(dout, q, k, v, out, lse, params, None, False, None, Packing(cu, cu, 70, 70))
+    else:
+        q, k, v, out, dout = (torch.randn(2, heads, 70, 64).half() for heads in (4, 2, 2, 4, 4))
+        lse = torch.randn(2, 4, 70)
+        start = tuple(torch.zeros(x.shape) for x in (q, k, v)) if accumulate else None
+        dq, _, _ = gb.launch(dout, q, k, v, out, lse, params, start, False)
+    lse2, lse2_storage = seen["lse_desc"]
+    delta, delta_storage = seen["delta_desc"]
+    assert (lse2_storage == dq.data_ptr()) == (delta_storage == dq.data_ptr()) == (not accumulate)
+    lse_arg, out_arg = (argument(dq_kernel, real_dq, name) for name in ("LSE", "O"))
+    assert lse_arg.data_ptr() == lse.data_ptr() and out_arg.data_ptr() == out.data_ptr()
+    assert torch.equal(dq, torch.full_like(dq, 3.0))
+    expected = (out.float() * dout.float()).sum(-1)
+    if packed:
+        for b, (first, last) in ((0, (0, 70)), (2, (70, 131))):
+            at = (first // gb.STATS_ALIGN.value + b) * gb.STATS_ALIGN.value  # `stats_start`
+            for h in range(4):
+                torch.testing.assert_close(delta[h, at:at + last - first], expected[first:last, h])
+                torch.testing.assert_close(lse2[h, at:at + last - first], lse[h, first:last] * gb.LOG2E)
+    else:
+        torch.testing.assert_close(delta.view(2, 4, -1)[..., :70], expected)
+        torch.testing.assert_close(lse2.view(2, 4, -1)[..., :70], lse * gb.LOG2E)
 
 
 # ---------------------------------------------------------------- GPU

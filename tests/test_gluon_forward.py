@@ -43,9 +43,9 @@ def compile_gluon_for_sm90(kernel, args, constants: dict):
             signature[name] = "constexpr"
         elif isinstance(arg, torch.Tensor):
             signature[name] = "*" + {torch.float32: "fp32", torch.int32: "i32"}.get(arg.dtype, TYPE_NAMES.get(arg.dtype))
-        elif isinstance(arg, tuple):  # (batch, head, row, col) strides, the last one 1
-            signature[name] = ("i64", "i64", "i64", "constexpr")
-            constexprs[(i, 3)] = 1
+        elif isinstance(arg, tuple):  # strides, the last one 1
+            signature[name] = ("i64",) * (len(arg) - 1) + ("constexpr",)
+            constexprs[(i, len(arg) - 1)] = 1
         elif isinstance(arg, float):
             signature[name] = "fp32"
         elif isinstance(arg, int):

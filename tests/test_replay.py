@@ -243,16 +243,34 @@ def test_a_view_that_cannot_be_traced_to_one_input_is_never_replayed():
     assert kernel.compiled.runs == 1  # xy[0] and xy[1] trace to the one input: replayed
 
     @replay.replayable()
-    def reinterpreted(x, y):
+    def in_two_inputs(x, y):
         out = torch.empty_like(x)
-        replay.run_kernel(kernel, (1,), x.view(torch.int32), y, out, x.numel())
+        replay.run_kernel(kernel, (1,), x[1:], y[1:], out[1:], x.numel() - 1)
         return out
 
     runs = kernel.compiled.runs
     for _ in range(2):
-        x, y = inputs()
-        assert torch.equal(reinterpreted(x, y), x.view(torch.int32) + y)
+        xy = torch.randn(20)
+        x, y = xy[:10], xy[10:]  # x[1:] shares its storage with both inputs
+        assert torch.equal(in_two_inputs(x, y)[1:], x[1:] + y[1:])
     assert kernel.compiled.runs == runs and "view" in next(iter(replay.REFUSED.values()))
+
+
+def test_a_buffer_read_as_another_dtype_is_replayed_at_its_offset():
+    kernel = Kernel()
+
+    @replay.replayable()
+    def into_float64_bytes(x, y):
+        out = torch.empty(x.numel() + 2, dtype=torch.float64)
+        rows = out.view(torch.float32)[2:2 + x.numel()]  # float32 elements from byte 8 of a float64 buffer
+        replay.run_kernel(kernel, (1,), x, y, rows, x.numel())
+        return rows
+
+    for _ in range(3):
+        x, y = inputs()
+        result = into_float64_bytes(x, y)
+        assert result.dtype == torch.float32 and torch.equal(result, x + y)
+    assert (kernel.jit_calls, kernel.compiled.runs) == (1, 2) and not replay.REFUSED
 
 
 def test_indexing_that_copies_is_never_replayed():

@@ -32,7 +32,7 @@ def forward_keys(n: int, causal: bool) -> list:
 def backward_keys(n: int, causal: bool, monkeypatch) -> list:
     launches = []
     monkeypatch.setattr(gb, "run_kernel", lambda kernel, grid, *args, **options: launches.append((kernel, args, options)))
-    monkeypatch.setattr(gb, "row_stats", lambda lse, out, dout, pad, semaphores, packing: (lse, lse))
+    monkeypatch.setattr(gb, "row_stats", lambda lse, out, dout, pad, semaphores, packing, within: (lse, lse))
     q, k, v, out, dout = (torch.randn(2, 4, n, 128, dtype=torch.bfloat16) for _ in range(5))
     params = AttentionParams(scale=0.1, window=(-1, 0) if causal else (-1, -1))
     gb.launch(dout, q, k, v, out, torch.zeros(2, 4, gb.stats_rows(n)), params, None, False)

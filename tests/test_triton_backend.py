@@ -220,6 +220,52 @@ def test_raw_passes_match_tiled_and_accept_strided_lse():
         torch.testing.assert_close(ours, ref)
 
 
+class Allocations(torch.overrides.TorchFunctionMode):
+    """The (shape, dtype) of every tensor a block allocates through torch.empty / empty_like / zeros."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in (torch.empty, torch.empty_like, torch.empty_strided, torch.zeros, torch.zeros_like):
+            self.made.append((tuple(result.shape), result.dtype))
+        return result
+
+
+@pytest.mark.parametrize("packed, atomic", [(False, False), (True, False), (False, True)])
+def test_the_backward_keeps_delta_in_the_bytes_of_dq(monkeypatch, packed, atomic):
+    """The dK/dV kernel's delta lives in dq's bytes (`passes.float32_within`) and the dQ kernel forms its
+    own, so the backward allocates its gradients alone (and atomic dQ's float32 sum): no per-row buffer."""
+    from exattn.backends.triton.passes import Packing, triton_backward, triton_forward
+
+    monkeypatch.setattr(settings, "atomic_dq", atomic)
+    torch.manual_seed(11)
+    if packed:
+        lengths = [5, 0, 23, 9]
+        q, k, v = (torch.randn(sum(lengths), h, 24, dtype=torch.float16) for h in (4, 2, 2))
+        offsets = torch.tensor([0, 5, 5, 28, 37], dtype=torch.int32)
+        packing, params = Packing(offsets, offsets, 23, 23), make_problem(
+            q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), causal=True).params
+    else:
+        q, k, v = (x.detach() for x in make_inputs(2, 4, 2, 37, 29, 24, 24, torch.float16))
+        packing, params = None, make_problem(q, k, v, causal=True).params
+    out, lse = triton_forward(q, k, v, None, params, packing)
+    dout = torch.randn_like(out)
+    with Allocations() as allocations:
+        grads = triton_backward(dout, q, k, v, None, out, lse, params, packing=packing)
+    expected = [(tuple(x.shape), x.dtype) for x in (q, k, v)]
+    if atomic:
+        expected.append((tuple(q.shape), torch.float32))
+    assert sorted(allocations.made, key=str) == sorted(expected, key=str)
+    if packed:
+        return
+    ref = tiled_backward(dout, q, k, v, None, out, lse, params)
+    for name, ours, theirs in zip(("dq", "dk", "dv"), grads, ref):
+        torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=2e-3, msg=name)
+
+
 def test_empty_keys_and_queries():
     q, k, v = (torch.randn(1, 1, n, 16) for n in (5, 0, 0))
     out, lse = exattn.attention(q, k, v, backend="triton", return_lse=True)

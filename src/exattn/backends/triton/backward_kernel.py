@@ -8,7 +8,9 @@ inside), Z = keep / (1 - p) the dropout factor and delta = rowsum(dO * O):
 `attention_dkdv_kernel` owns BLOCK_N keys of one (batch, K/V head) and sweeps
 the query tiles of every query head of its group (GQA sums there, in a fixed
 order). `attention_dq_kernel` owns BLOCK_M queries of one (batch, query head)
-and sweeps their key tiles. Both walk only the tiles the band allows, split
+and sweeps their key tiles, forming its rows' delta from O and dO itself (the
+preprocess's delta, for the dK/dV kernel, may live in dQ's bytes until it
+writes them). Both walk only the tiles the band allows, split
 into masked and full runs (tiles.tile_segments). A row with lse = -inf
 (nothing allowed) uses lse = +inf, so its P is 0 and so are its gradients.
 With ATOMIC_DQ the dK/dV kernel also adds dS K into a float32 dQ buffer with
@@ -53,9 +55,8 @@ def attention_delta_kernel(
         start, len_q = sequence_span(CU_Q, b)
         O += start * o_strides[2]
         DO += start * do_strides[2]
-    o = load_head_tile(O, o_strides, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
     do = load_head_tile(DO, do_strides, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    delta = row_delta(O, o_strides, do, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
     if VARLEN:
         delta_at = DELTA + h * stats_head_stride + start + rows
     else:
@@ -64,16 +65,30 @@ def attention_delta_kernel(
 
 
 @triton.jit
+def row_delta(O, o_strides, do, b, h, rows, len_q, offs_dv, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """rowsum(O * dO) in float32 for `rows` of the (b, h) slice, given their dO tile (0 outside)."""
+    o = load_head_tile(O, o_strides, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
+    return tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+
+
+@triton.jit
+def load_lse2(LSE, row_base, rows, len_q, CHECK_ROWS: tl.constexpr):
+    """lse in base 2 with -inf -> +inf for `rows`; row_base = (b*Hq + h)*Nq."""
+    if CHECK_ROWS:
+        lse = tl.load(LSE + row_base + rows, mask=rows < len_q, other=float("-inf"))
+    else:
+        lse = tl.load(LSE + row_base + rows)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
 def load_row_stats(LSE, DELTA, row_base, rows, len_q, CHECK_ROWS: tl.constexpr):
     """(lse in base 2 with -inf -> +inf, delta) for `rows`; row_base = (b*Hq + h)*Nq."""
     if CHECK_ROWS:
-        lse = tl.load(LSE + row_base + rows, mask=rows < len_q, other=float("-inf"))
         delta = tl.load(DELTA + row_base + rows, mask=rows < len_q, other=0.0)
     else:
-        lse = tl.load(LSE + row_base + rows)
         delta = tl.load(DELTA + row_base + rows)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    return lse2, delta
+    return load_lse2(LSE, row_base, rows, len_q, CHECK_ROWS), delta
 
 
 @triton.jit
@@ -297,8 +312,8 @@ def dq_segment(
 
 @triton.jit(do_not_specialize=["seed", *COUNTS])
 def attention_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES, K_DESC, V_DESC,
-    q_strides, k_strides, v_strides, do_strides, dq_strides, mask_strides, alibi_strides, seg_q_strides, seg_k_strides,
+    Q, K, V, DO, O, LSE, DQ, MASK, CU_Q, CU_K, ALIBI, PREFIX, SEG_Q, SEG_K, SEG_RANGES, K_DESC, V_DESC,
+    q_strides, k_strides, v_strides, do_strides, o_strides, dq_strides, mask_strides, alibi_strides, seg_q_strides, seg_k_strides,
     heads_q, group, len_q, len_k, num_row_tiles, stats_head_stride, softcap2, scale_log2, scale, left, right,
     dropout_p, keep_scale, seed,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -309,6 +324,7 @@ def attention_dq_kernel(
     HAS_SEGMENTS: tl.constexpr,
 ):
     """Grid: (num_row_tiles * B * Hq,). DQ: (B, Hq, Nq, D) in q's dtype (float32 with ACCUMULATE).
+    Forms its rows' delta from O and dO (the dK/dV kernel's delta may live in DQ's bytes).
 
     VARLEN: as the dK/dV kernel. K_DESC, V_DESC: the host's descriptors with USE_TMA = 2 (`tile_io`)."""
     b, h, hk, m0 = query_row_tile(tl.program_id(0), num_row_tiles, heads_q, group, BLOCK_M, HEAVY_FIRST)
@@ -322,6 +338,7 @@ def attention_dq_kernel(
             return
         Q += q_start * q_strides[2]
         DO += q_start * do_strides[2]
+        O += q_start * o_strides[2]
         DQ += q_start * dq_strides[2]
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -337,7 +354,8 @@ def attention_dq_kernel(
     mods = (softcap2, row_slope(ALIBI, alibi_strides, b, h, HAS_ALIBI), sequence_prefix(PREFIX, b, HAS_PREFIX),
             segment_ids(SEG_Q, seg_q_strides, b, rows, len_q, -1, HAS_SEGMENTS), SEG_K + b * seg_k_strides[0],
             seg_k_strides[1])
-    lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, len_q, True)
+    lse2 = load_lse2(LSE, row_base, rows, len_q, True)
+    delta = row_delta(O, o_strides, do, b, h, rows, len_q, offs_dv, DV, BLOCK_DV)
     ks, vs = (k_strides[2], k_strides[3]), (v_strides[2], v_strides[3])
     k_src = tile_source(K, slice_offset(k_strides, b, hk, k_start), ks, len_k, D, BLOCK_N, BLOCK_D, USE_TMA, K_DESC)
     v_src = tile_source(V, slice_offset(v_strides, b, hk, k_start), vs, len_k, DV, BLOCK_N, BLOCK_DV, USE_TMA, V_DESC)

@@ -141,7 +141,7 @@ from .gluon_forward import (
     work_context,
     work_tile,
 )
-from .passes import LOG2E, grid_of, on_device, settings
+from .passes import LOG2E, float32_within, grid_of, on_device, settings
 from .replay import run_kernel
 from .segment_tables import RANGE_FIELDS, segment_tile_ranges
 
@@ -210,16 +210,37 @@ def async_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def store_rows(ptr, row_stride, col_stride, x, first_row, n_rows, ACCUMULATE: gl.constexpr):
-    """x into rows first_row + [0, R) (those in [0, n_rows)) of ptr; with ACCUMULATE added to the float32 there."""
-    R: gl.constexpr = x.shape[0]
-    C: gl.constexpr = x.shape[1]
-    layout: gl.constexpr = x.type.layout
+def slice_at(ptr, strides, b, h, first_row):
+    """Where row first_row of the (b, h) slice of a (B, H, N, ...) tensor with these strides starts."""
+    offset = gl.to_tensor(b).to(gl.int64) * strides[0] + gl.to_tensor(h).to(gl.int64) * strides[1]
+    return ptr + offset + gl.to_tensor(first_row).to(gl.int64) * strides[2]
+
+
+@gluon.jit
+def row_offsets(row_stride, col_stride, like, first_row, n_rows):
+    """(offsets, inside) of rows first_row + [0, R) of a tensor with these strides, in the shape and layout of
+    `like` (R, C); inside: the rows in [0, n_rows)."""
+    R: gl.constexpr = like.shape[0]
+    C: gl.constexpr = like.shape[1]
+    layout: gl.constexpr = like.type.layout
     rows = first_row + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
     dims = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     offs = (gl.expand_dims(rows.to(gl.int64) * row_stride, 1)
             + gl.expand_dims(dims.to(gl.int64) * col_stride, 0))
-    inside = gl.expand_dims((rows >= 0) & (rows < n_rows), 1) & gl.expand_dims(dims < C, 0)
+    return offs, gl.expand_dims((rows >= 0) & (rows < n_rows), 1) & gl.expand_dims(dims < C, 0)
+
+
+@gluon.jit
+def load_rows(ptr, row_stride, col_stride, like, first_row, n_rows, other):
+    """Rows first_row + [0, R) of ptr (`other` outside [0, n_rows)), with the shape and layout of `like` (R, C)."""
+    offs, inside = row_offsets(row_stride, col_stride, like, first_row, n_rows)
+    return gl.load(ptr + offs, mask=inside, other=other)
+
+
+@gluon.jit
+def store_rows(ptr, row_stride, col_stride, x, first_row, n_rows, ACCUMULATE: gl.constexpr):
+    """x into rows first_row + [0, R) (those in [0, n_rows)) of ptr; with ACCUMULATE added to the float32 there."""
+    offs, inside = row_offsets(row_stride, col_stride, x, first_row, n_rows)
     if ACCUMULATE:
         x = x + gl.load(ptr + offs, mask=inside, other=0.0)
     gl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=inside)
@@ -963,11 +984,12 @@ def row_block_probabilities(s, lse2, rows, tile, row_rules, scale_log2, CAUSAL: 
 
 
 @gluon.jit
-def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2,
-                         DELTA, DQ, dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k,
-                         scale_log2, scale, rules, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
+def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE,
+                         lse_strides, O, o_strides, DQ, dq_strides, heads_q, num_row_tiles, heads_per_group, len_q,
+                         len_k, scale_log2, scale, rules, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
                          IN_REGISTERS: gl.constexpr, RULES: gl.constexpr):
-    """Consumer warpgroup `half`: rows m0 + 64*half + [0, 64); loads its dO half, writes its dQ rows."""
+    """Consumer warpgroup `half`: rows m0 + 64*half + [0, 64); loads its dO half, forms its rows' base-2
+    lse and delta = rowsum(O * dO) from lse and O, writes its dQ rows."""
     q_bar = bars[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
@@ -976,20 +998,21 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     b, heads, _, m0, ctx, place = dq_work(rules, num_row_tiles, heads_q, 1, heads_per_group, len_q, len_k,
                                           scale_log2, CAUSAL, RULES)
-    coord_b, q_start, _, stats_row = place
+    coord_b, q_start, _, _ = place
     rows_q = len_q
     if RULES & VARLEN:
         rows_q = ctx[LEN_Q]
-    bh = coord_b * heads_q + heads
     first = m0 + half * ROWS
     mbarrier.expect(do_bar.index(half), do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(do_desc, [coord_b, heads, q_start + gl.maximum(first, 0), 0], do_bar.index(half),
                                     as_box(do_smem.index(half), do_desc))
     rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    inside = (rows >= 0) & (rows < rows_q)
-    stats_at = bh.to(gl.int64) * len_q_pad + stats_row + rows
-    lse2 = gl.load(LSE2 + stats_at, mask=inside, other=float("inf"))
-    delta = gl.load(DELTA + stats_at, mask=inside, other=0.0)
+    lse = gl.load(slice_at(LSE, lse_strides, coord_b, heads, q_start) + rows.to(gl.int64) * lse_strides[2],
+                  mask=(rows >= 0) & (rows < rows_q), other=float("-inf"))
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])  # 16-byte loads
+    out = load_rows(slice_at(O, o_strides, coord_b, heads, q_start), o_strides[2], o_strides[3],
+                    gl.zeros([ROWS, D], gl.float32, rows_layout), first, rows_q, 0.0)
     lo = 0
     row_rules = 0
     if RULES == 0:
@@ -1001,6 +1024,8 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
     dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(do_bar.index(half), 0)
+    delta = gl.reduce(out.to(gl.float32) * do_smem.index(half).load(rows_layout).to(gl.float32), 1, plus)
+    delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
     q = resident_operand(q_smem.index(half), s_layout, IN_REGISTERS)
     do = resident_operand(do_smem.index(half), s_layout, IN_REGISTERS)
     if RULES == 0:
@@ -1014,10 +1039,8 @@ def dq_compute_partition(half: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ba
         for j in range(lo, num_tiles):
             dq = dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, j - lo, len_q, len_k, scale_log2,
                          s_layout, op_layout, True, CAUSAL, row_rules, RULES)
-    dq_at = DQ + coord_b.to(gl.int64) * dq_strides[0] + heads.to(gl.int64) * dq_strides[1]
-    if RULES & VARLEN:
-        dq_at += q_start.to(gl.int64) * dq_strides[2]
-    store_rows(dq_at, dq_strides[2], dq_strides[3], dq * scale, first, rows_q, ACCUMULATE)
+    store_rows(slice_at(DQ, dq_strides, coord_b, heads, q_start), dq_strides[2], dq_strides[3], dq * scale, first,
+               rows_q, ACCUMULATE)
 
 
 @gluon.jit
@@ -1052,8 +1075,8 @@ def dq_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, plac
 
 @gluon.jit(do_not_specialize=COUNTS)
 def gluon_dq_kernel(
-    q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, dq_strides,
-    heads_q, group, len_q, len_q_pad, len_k, num_row_tiles, heads_per_group, scale_log2, scale,
+    q_desc, k_desc, v_desc, do_desc, LSE, lse_strides, O, o_strides, DQ, dq_strides,
+    heads_q, group, len_q, len_k, num_row_tiles, heads_per_group, scale_log2, scale,
     left, right, softcap, ALIBI_PTR, alibi_sb, alibi_sh, PREFIX_PTR, SEG_Q, seg_q_sb, seg_q_sn, SEG_K, seg_k_sb,
     seg_k_sn, SEG_BLOCKS, CU_Q, CU_K,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, IN_REGISTERS: gl.constexpr,
@@ -1062,7 +1085,9 @@ def gluon_dq_kernel(
     """Grid: (num_row_tiles * B * Hq,). Descriptors (`tile_descriptor`): q, do (B, Hq, Nq, D) with
     [1, 1, 64, D] boxes, k, v (B, Hk, Nk, D) with [1, 1, BLOCK_N, D] boxes.
 
-    DQ: (B, Hq, Nq, D) in q's dtype, or float32 with ACCUMULATE. LSE2, DELTA as for `gluon_dkdv_kernel`.
+    DQ: (B, Hq, Nq, D) in q's dtype, or float32 with ACCUMULATE. LSE: the forward's (B, Hq, Nq) natural-log
+    lse, O its (B, Hq, Nq, D) output: the kernel reads no row statistics of `row_stats`, so those may live
+    in DQ's bytes until it writes them.
     RULES and the arguments from `left`: those of `gluon_forward_kernel` (the key tiles are its
     `key_range`).
     """
@@ -1104,11 +1129,11 @@ def gluon_dq_kernel(
     # Arguments written out in each tuple: a tuple bound to a name would turn the constexprs
     # into run-time values inside the partitions.
     gl.warp_specialize([
-        (dq_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
-                                dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k,
+        (dq_compute_partition, (0, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE, lse_strides, O,
+                                o_strides, DQ, dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_k,
                                 scale_log2, scale, rules, CAUSAL, ACCUMULATE, IN_REGISTERS, RULES)),
-        (dq_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE2, DELTA, DQ,
-                                dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_q_pad, len_k,
+        (dq_compute_partition, (1, q_smem, do_smem, k_smem, v_smem, bars, do_bar, do_desc, LSE, lse_strides, O,
+                                o_strides, DQ, dq_strides, heads_q, num_row_tiles, heads_per_group, len_q, len_k,
                                 scale_log2, scale, rules, CAUSAL, ACCUMULATE, IN_REGISTERS, RULES)),
         (dq_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, place, h, hk, m0, lo, hi - lo)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -1168,7 +1193,7 @@ def run_gluon_backward(dout, q, k, v, out, lse, params: AttentionParams, accumul
             return launch(dout, q, k, v, out, lse, params, accumulate_into, atomic_dq, rules)
         grads = tuple(torch.empty_like(x) for x in (q, k, v))
         views = (packed_view(x) for x in (dout, q, k, v, out))
-        launch(*views, lse[None], params, None, False, rules, packing, tuple(packed_view(g) for g in grads))
+        launch(*views, lse[None], params, None, False, rules, packing, tuple(packed_view(g) for g in grads), grads[0])
         return grads
 
 
@@ -1247,13 +1272,17 @@ def stats_rows(len_q: int, packing=None) -> int:
 
 
 def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pad: int,
-              semaphores: torch.Tensor | None = None, packing=None):
+              semaphores: torch.Tensor | None = None, packing=None, within: torch.Tensor | None = None):
     """(lse2, delta), each (B * Hq, len_q_pad) float32: lse * log2(e) with +inf where lse = -inf
     (no key) and in the padding; delta = rowsum(out * dout) with 0 in the padding. One launch, which
     also zeroes `semaphores` (int32 (B * Hq, len_q_pad / STATS_ROWS), contiguous) if given. packing:
     lse (1, Hq, total_q) and out, dout their views; each sequence's rows from its `stats_start`."""
     batch, heads_q, len_q = lse.shape
-    stats = torch.empty(2, batch * heads_q, len_q_pad, dtype=torch.float32, device=lse.device)  # one allocation
+    shape = (2, batch * heads_q, len_q_pad)
+    if within is None:
+        stats = torch.empty(shape, dtype=torch.float32, device=lse.device)
+    else:
+        stats = float32_within(within, shape)
     lse2, delta = stats[0], stats[1]
     block = STATS_ROWS
     row_tiles, seqs, cu_q = ceil_div(len_q_pad, block), batch, None
@@ -1352,7 +1381,7 @@ def ordered_dq_fits(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     return ceil_div(len_q, ATOMIC_CONFIGS[q.shape[-1]].dkdv_block_m) >= key_blocks
 
 
-def dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad: int, cfg: GluonBackwardConfig, causal: bool,
+def dq_arguments(dout, q, k, v, out, lse, dq, cfg: GluonBackwardConfig, causal: bool,
                  sizes: tuple[int, int, int] | None = None) -> tuple:
     """Positional arguments of `gluon_dq_kernel` before scale_log2, and its grid (sizes: as `dkdv_arguments`)."""
     batch, heads_q, len_q, dim = q.shape
@@ -1366,8 +1395,8 @@ def dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad: int, cfg: GluonBackw
         kv_bytes = 2 * len_k * dim * k.element_size() // (heads_q // heads_k)
         order = causal_heads_per_group(costs, batch * heads_q, kv_bytes, q.device)
     args = (tile_descriptor(q, ROWS.value), tile_descriptor(k, cfg.dq_block_n), tile_descriptor(v, cfg.dq_block_n),
-            tile_descriptor(dout, ROWS.value), lse2, delta, dq, dq.stride(), heads_q, heads_q // heads_k,
-            len_q, len_q_pad, len_k, row_tiles, order)
+            tile_descriptor(dout, ROWS.value), lse, lse.stride(), out, out.stride(), dq, dq.stride(), heads_q,
+            heads_q // heads_k, len_q, len_k, row_tiles, order)
     return args, grid_of(row_tiles, batch * heads_q)
 
 
@@ -1432,9 +1461,11 @@ def faster_than_triton(bits: int, dim: int) -> bool:
 
 
 def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, atomic_dq: bool, rules=None,
-           packing=None, grads=None):
+           packing=None, grads=None, scratch=None):
     """The passes over (B, H, N, D) tensors, or with `packing` the (1, H, total, D) views of packed ones
-    (lse (1, Hq, total_q)), writing into `grads` (their views) if given."""
+    (lse (1, Hq, total_q)), writing into `grads` (their views) if given. The row statistics live in the
+    bytes of dq (or of `scratch`, the tensor behind grads[0]) where they fit and dq is made here: only
+    the dK/dV kernel reads them, and dq is written after it (`passes.float32_within`)."""
     batch, heads_q, len_q, dim = q.shape
     len_k = k.shape[2]
     if 0 in (batch, heads_q, len_q, len_k):
@@ -1445,6 +1476,7 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
         dq, dk, dv = accumulate_into
     else:
         dq, dk, dv = grads or (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        scratch = dq if grads is None else scratch
     causal = params.window[1] != UNBOUNDED
     bits = backward_rule_bits(params, rules, packing)
     path = dq_path(q, k, causal, atomic_dq, accumulate_into is not None) if dq_in_dkdv_serves(bits, causal) else "kernel"
@@ -1455,7 +1487,7 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     # B * Hq * cdiv(Nq, BLOCK_M), one per dQ tile
     dq_sum, semaphores = dq_accumulators(path, q, k, dq, causal, accumulate_into is not None,
                                          len_q_pad // STATS_ROWS, bool(bits & SEGMENTS.value))
-    lse2, delta = row_stats(lse, out, dout, len_q_pad, semaphores, packing)
+    lse2, delta = row_stats(lse, out, dout, len_q_pad, semaphores, packing, scratch)
     scalars = (params.scale * LOG2E, params.scale)
     dkdv_rules, dq_rules = backward_rule_arguments(q, k, params, rules, cfg, packing)
     options = kernel_options(cfg, causal, accumulate_into is not None, bits)
@@ -1465,7 +1497,7 @@ def launch(dout, q, k, v, out, lse, params: AttentionParams, accumulate_into, at
     run_kernel(gluon_dkdv_kernel, grid, *args, *scalars, *dkdv_rules, STAGES=cfg.dkdv_stages, DQ_SLOTS=cfg.dq_slots,
                ALTERNATE_DQ=cfg.alternate_dq, ROTATE=rotated_sweeps(path, causal, len_q, dim), **options)
     if not dq_in_dkdv:
-        args, grid = dq_arguments(dout, q, k, v, lse2, delta, dq, len_q_pad, cfg, causal, sizes)
+        args, grid = dq_arguments(dout, q, k, v, out, lse, dq, cfg, causal, sizes)
         run_kernel(gluon_dq_kernel, grid, *args, *scalars, *dq_rules, STAGES=cfg.dq_stages, **options)
     elif dq_sum is not dq:
         dq.add_(dq_sum) if accumulate_into is not None else dq.copy_(dq_sum)

@@ -12,6 +12,7 @@ lse is natural log, float32, (B, Hq, Nq). Grids are one-dimensional
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -300,10 +301,24 @@ def segment_ranges(rules, q: torch.Tensor, block_rows: int, block_cols: int, key
         rows, cols, block_rows, block_cols)
 
 
-def row_stats(q: torch.Tensor, packing: Packing | None) -> torch.Tensor:
-    """An empty float32 per-row buffer: (B, Hq, Nq), or (Hq, total_q) packed."""
-    shape = q.shape[:3] if packing is None else (q.shape[1], q.shape[0])
-    return torch.empty(shape, dtype=torch.float32, device=q.device)
+def row_stats(q: torch.Tensor, packing: Packing | None, within: torch.Tensor | None = None) -> torch.Tensor:
+    """An empty float32 per-row buffer: (B, Hq, Nq), or (Hq, total_q) packed; in `within`'s bytes where
+    they hold it (`float32_within`)."""
+    shape = tuple(q.shape[:3]) if packing is None else (q.shape[1], q.shape[0])
+    if within is None:
+        return torch.empty(shape, dtype=torch.float32, device=q.device)
+    return float32_within(within, shape)
+
+
+def float32_within(grad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An empty float32 tensor of `shape` over the first bytes of `grad`, or a new one where `grad` is not
+    contiguous or too small. `grad` is a gradient buffer the backward made and writes whole in its
+    last kernel, after every read of this tensor: the backward's per-row statistics then take no memory
+    of their own."""
+    nbytes = 4 * math.prod(shape)
+    if not grad.is_contiguous() or grad.numel() * grad.element_size() < nbytes:
+        return torch.empty(shape, dtype=torch.float32, device=grad.device)
+    return grad.view(-1).view(torch.uint8)[:nbytes].view(torch.float32).view(shape)
 
 
 @replayable(replay_key, lambda q, k, v, mask, params, *rest, **named: replays(q, params.dropout_p))
@@ -366,10 +381,11 @@ def triton_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
         return launch_backward(dout, q, k, v, mask, out, lse, params, accumulate_into, packing, rules)
 
 
-def row_deltas(out: torch.Tensor, dout: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
-    """delta = rowsum(out * dout) in float32, contiguous (B, Hq, Nq) (packed: (Hq, total_q)):
-    the backward's preprocess."""
-    delta = row_stats(out, packing)
+def row_deltas(out: torch.Tensor, dout: torch.Tensor, packing: Packing | None = None,
+               within: torch.Tensor | None = None) -> torch.Tensor:
+    """delta = rowsum(out * dout) in float32, contiguous (B, Hq, Nq) (packed: (Hq, total_q)), in
+    `within`'s bytes where they hold it: the preprocess of the dK/dV kernel (the dQ kernel forms its own)."""
+    delta = row_stats(out, packing, within)
     batch, heads_q, _, len_q, _, _, dim_v = problem_sizes(out, out, out, packing)
     row_tiles = ceil_div(len_q, 64)
     (out, o_strides), (dout, do_strides) = (kernel_view(x, packing) for x in (out, dout))
@@ -388,7 +404,6 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
     if 0 in (batch, heads_q, len_q, len_k) or q.numel() == 0 or k.numel() == 0:
         return accumulate_into if accumulate else (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     lse = lse.to(torch.float32).contiguous()
-    delta = row_deltas(out, dout, packing)
     cu_q, cu_k, stats_stride = packing_args(q, packing)
     rule_kernel_args, rule_flags = rule_args(q, params, rules)
     rule_kernel_args.pop("SINKS")
@@ -409,6 +424,7 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    delta = row_deltas(out, dout, packing, None if accumulate else dq)
     atomic = settings.atomic_dq
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
 
@@ -435,9 +451,9 @@ def launch_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accu
 
     cfg = config_for("dq", q, v, mask, params)
     row_tiles = ceil_div(len_q, cfg.block_m)
-    strides = [q_strides, k_strides, v_strides, do_strides, kernel_view(dq, packing)[1]]
+    strides = [q_strides, k_strides, v_strides, do_strides, kernel_view(out, packing)[1], kernel_view(dq, packing)[1]]
     run_kernel(attention_dq_kernel, grid_of(row_tiles, batch * heads_q),
-        q, k, v, dout, lse, delta, dq, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], rule_kernel_args["PREFIX"],
+        q, k, v, dout, out, lse, dq, mask_arg, cu_q, cu_k, rule_kernel_args["ALIBI"], rule_kernel_args["PREFIX"],
         rule_kernel_args["SEG_Q"], rule_kernel_args["SEG_K"], segment_ranges(rules, q, cfg.block_m, cfg.block_n),
         *tile_descriptors(use_tma, (k, k_strides, cfg.block_n, block_d), (v, v_strides, cfg.block_n, block_dv)),
         *strides, mask_strides, rule_kernel_args["alibi_strides"], rule_kernel_args["seg_q_strides"],

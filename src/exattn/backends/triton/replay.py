@@ -49,7 +49,9 @@ UNLESS_COPYING = {Tensor.to, Tensor.contiguous}  # allowed where they return the
 
 class Ref(NamedTuple):
     """A tensor argument rebuilt per call: slot `index` of (inputs, then buffers), through
-    `view` = (element offset from that tensor's own, shape, strides), or as it is (None)."""
+    `view` = (offset from that tensor's first element, in elements of `dtype`, shape, strides, dtype),
+    or as it is (None). The view's dtype may differ from its tensor's: a buffer's bytes read as
+    another type."""
 
     index: int
     view: tuple | None = None
@@ -133,7 +135,7 @@ def address(ref: Ref, tensors: list[Tensor]) -> int:
     """The device address of the tensor `ref` names, without building its view: all a launcher reads of
     a pointer argument (an int skips the launcher's own `data_ptr` call and pointer query)."""
     x = tensors[ref.index]
-    return x.data_ptr() if ref.view is None else x.data_ptr() + ref.view[0] * x.element_size()
+    return x.data_ptr() if ref.view is None else x.data_ptr() + ref.view[0] * ref.view[3].itemsize
 
 
 def make_tensordesc_arg(descriptor, meta) -> list:
@@ -290,8 +292,11 @@ def resolve(ref: Ref | DescriptorRef, tensors: list[Tensor]):
     x = tensors[ref.index]
     if ref.view is None:
         return x
-    offset, shape, strides = ref.view
-    return x.as_strided(shape, strides, x.storage_offset() + offset)
+    offset, shape, strides, dtype = ref.view
+    if dtype == x.dtype:
+        return x.as_strided(shape, strides, x.storage_offset() + offset)
+    first = x.storage_offset() * x.element_size() // dtype.itemsize
+    return torch.empty(0, dtype=dtype, device=x.device).set_(x.untyped_storage(), first + offset, shape, strides)
 
 
 def rebuild(result, tensors: list[Tensor]):
@@ -379,9 +384,10 @@ class Recorder(TorchFunctionMode):
         if not sharing:
             return None
         base = self.tensors[sharing[0]]
-        if len(sharing) > 1 or base.dtype != x.dtype:
+        offset, rest = divmod(x.data_ptr() - base.data_ptr(), x.element_size())
+        if len(sharing) > 1 or rest or (base.storage_offset() * base.element_size()) % x.element_size():
             raise NotReplayable("an argument is a view that cannot be traced to one input or buffer")
-        return Ref(sharing[0], (x.storage_offset() - base.storage_offset(), tuple(x.shape), x.stride()))
+        return Ref(sharing[0], (offset, tuple(x.shape), x.stride(), x.dtype))
 
     def record(self, kernel, grid, compiled, args: tuple, kwargs: dict) -> None:
         names, defaults = parameters(kernel)
