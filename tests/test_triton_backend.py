@@ -266,6 +266,17 @@ def test_the_backward_keeps_delta_in_the_bytes_of_dq(monkeypatch, packed, atomic
         torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=2e-3, msg=name)
 
 
+def test_float32_within_takes_a_gradients_first_bytes_only_where_they_hold_it():
+    from exattn.backends.triton.passes import float32_within
+
+    grad = torch.empty(4, 8, dtype=torch.float16)  # 64 bytes
+    inside = float32_within(grad, (2, 8))
+    assert inside.dtype == torch.float32 and inside.shape == (2, 8) and inside.data_ptr() == grad.data_ptr()
+    for too_small_or_strided, shape in ((grad, (3, 8)), (grad.t(), (2, 8))):
+        own = float32_within(too_small_or_strided, shape)
+        assert own.shape == shape and own.untyped_storage().data_ptr() != grad.data_ptr()
+
+
 def test_empty_keys_and_queries():
     q, k, v = (torch.randn(1, 1, n, 16) for n in (5, 0, 0))
     out, lse = exattn.attention(q, k, v, backend="triton", return_lse=True)
