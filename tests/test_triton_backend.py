@@ -270,10 +270,10 @@ def test_float32_within_takes_a_gradients_first_bytes_only_where_they_hold_it():
     from exattn.backends.triton.passes import float32_within
 
     grad = torch.empty(4, 8, dtype=torch.float16)  # 64 bytes
-    inside = float32_within(grad, (2, 8))
+    inside = float32_within(grad, (2, 8), grad.device)
     assert inside.dtype == torch.float32 and inside.shape == (2, 8) and inside.data_ptr() == grad.data_ptr()
-    for too_small_or_strided, shape in ((grad, (3, 8)), (grad.t(), (2, 8))):
-        own = float32_within(too_small_or_strided, shape)
+    for too_small_or_strided, shape in ((grad, (3, 8)), (grad.t(), (2, 8)), (None, (2, 8))):
+        own = float32_within(too_small_or_strided, shape, grad.device)
         assert own.shape == shape and own.untyped_storage().data_ptr() != grad.data_ptr()
 
 

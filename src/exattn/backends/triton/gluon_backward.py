@@ -1278,11 +1278,7 @@ def row_stats(lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, len_q_pa
     also zeroes `semaphores` (int32 (B * Hq, len_q_pad / STATS_ROWS), contiguous) if given. packing:
     lse (1, Hq, total_q) and out, dout their views; each sequence's rows from its `stats_start`."""
     batch, heads_q, len_q = lse.shape
-    shape = (2, batch * heads_q, len_q_pad)
-    if within is None:
-        stats = torch.empty(shape, dtype=torch.float32, device=lse.device)
-    else:
-        stats = float32_within(within, shape)
+    stats = float32_within(within, (2, batch * heads_q, len_q_pad), lse.device)  # one allocation, or none
     lse2, delta = stats[0], stats[1]
     block = STATS_ROWS
     row_tiles, seqs, cu_q = ceil_div(len_q_pad, block), batch, None

@@ -305,19 +305,17 @@ def row_stats(q: torch.Tensor, packing: Packing | None, within: torch.Tensor | N
     """An empty float32 per-row buffer: (B, Hq, Nq), or (Hq, total_q) packed; in `within`'s bytes where
     they hold it (`float32_within`)."""
     shape = tuple(q.shape[:3]) if packing is None else (q.shape[1], q.shape[0])
-    if within is None:
-        return torch.empty(shape, dtype=torch.float32, device=q.device)
-    return float32_within(within, shape)
+    return float32_within(within, shape, q.device)
 
 
-def float32_within(grad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """An empty float32 tensor of `shape` over the first bytes of `grad`, or a new one where `grad` is not
-    contiguous or too small. `grad` is a gradient buffer the backward made and writes whole in its
-    last kernel, after every read of this tensor: the backward's per-row statistics then take no memory
-    of their own."""
+def float32_within(grad: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An empty float32 tensor of `shape` over the first bytes of `grad`, or a new one on `device` where
+    `grad` is None, not contiguous or too small. `grad` is a gradient buffer the backward made and writes
+    whole in its last kernel, after every read of this tensor: the backward's per-row statistics then take
+    no memory of their own."""
     nbytes = 4 * math.prod(shape)
-    if not grad.is_contiguous() or grad.numel() * grad.element_size() < nbytes:
-        return torch.empty(shape, dtype=torch.float32, device=grad.device)
+    if grad is None or not grad.is_contiguous() or grad.numel() * grad.element_size() < nbytes:
+        return torch.empty(shape, dtype=torch.float32, device=device)
     return grad.view(-1).view(torch.uint8)[:nbytes].view(torch.float32).view(shape)
 
 
