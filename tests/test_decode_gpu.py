@@ -181,6 +181,25 @@ def test_cuda_graph_capture_with_validate_false():
     assert torch.equal(out, again)  # run to run, bitwise
 
 
+def test_calls_on_streams_at_once_merge_through_counters_of_their_own():
+    """The split kernels' arrival counts are kept per stream: calls on two streams at once (kept plans
+    included) give the one-stream result, contiguous (Gluon) and paged (Triton)."""
+    q, k, v, lens = make_case(8, 32, 8, 1, 16384, 128, lengths=[16384] * 8)
+    k_pages, v_pages, table = paged(k, v, lens, 256)
+    calls = [dict(k_cache=k, v_cache=v), dict(k_cache=k_pages, v_cache=v_pages, block_table=table)]
+    expected = [exattn.decode(q, cache_seqlens=lens, num_splits=16, **call) for call in calls]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for _ in range(20):
+        for stream in streams:
+            with torch.cuda.stream(stream):
+                outs.append([exattn.decode(q, cache_seqlens=lens, num_splits=16, **call) for call in calls])
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, want) for pair in outs for out, want in zip(pair, expected))
+
+
 # ---------------------------------------------------------------- score rules in the kernels
 
 @pytest.mark.parametrize("dtype", (BF16, torch.float16), ids=("bf16", "fp16"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import inspect
 import weakref
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -271,6 +272,33 @@ def test_a_buffer_read_as_another_dtype_is_replayed_at_its_offset():
         result = into_float64_bytes(x, y)
         assert result.dtype == torch.float32 and torch.equal(result, x + y)
     assert (kernel.jit_calls, kernel.compiled.runs) == (1, 2) and not replay.REFUSED
+
+
+def test_stream_counters_are_kept_and_replayed_without_a_buffer_of_their_own(monkeypatch):
+    kernel, read_from, adding = Kernel(), [], add
+
+    def noting_add(X, Y, OUT, n, SCALE=1.0):
+        read_from.append(X.data_ptr())
+        adding(X, Y, OUT, n, SCALE)
+
+    monkeypatch.setitem(globals(), "add", noting_add)
+    monkeypatch.setattr(replay, "COUNTERS_KEPT", OrderedDict())
+
+    @replay.replayable()
+    def counted(x, y):
+        out = torch.empty_like(y)
+        replay.run_kernel(kernel, (1,), replay.stream_counters(y.numel(), y.device), y, out, -1)
+        return out
+
+    for _ in range(3):
+        x, y = inputs()
+        assert torch.equal(counted(x, y), y)
+    (plan,) = replay.PLANS.values()
+    assert [buffer.made for buffer in plan.buffers] == [replay.EMPTY, replay.COUNTERS]
+    kept = replay.stream_counters(4, torch.device("cpu"))
+    assert read_from == [kept.data_ptr()] * 3 and (kernel.jit_calls, kernel.compiled.runs) == (1, 2)
+    more = replay.stream_counters(25, torch.device("cpu"))
+    assert more.numel() == 25 and not more.any()
 
 
 def test_indexing_that_copies_is_never_replayed():

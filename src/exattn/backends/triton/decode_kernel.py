@@ -60,7 +60,7 @@ import triton.language as tl
 from ... import errors
 from ...problem import UNBOUNDED
 from .configs import ceil_div, next_power_of_two, padded_dim
-from .replay import run_kernel
+from .replay import run_kernel, stream_counters
 from .tiles import LOG2E as LOG2E_IN_KERNELS
 from .tiles import add_sink, finalize, score_mods
 
@@ -434,9 +434,9 @@ def decode_combine_kernel(OUT_PART, LSE_PART, OUT, LSE, SINKS, heads_k, group, l
 
 MERGE_ELEMENTS = 16384  # float32 partial outputs one merge load holds: 32 splits of 4 rows at Dv = 128
 def arrival_counters(count: int, device: torch.device) -> torch.Tensor:
-    """int32 zeros for one launch, one per split group: the last split of a group to arrive merges it.
-    Made per call, so CUDA-graph capture (and torch.compile's CUDA graphs) own them like any buffer."""
-    return torch.zeros(count, dtype=torch.int32, device=device)
+    """int32 zeros for one launch, one per split group: the last split of a group to arrive merges it
+    and sets its count back to zero, so the counters are kept per stream (`replay.stream_counters`)."""
+    return stream_counters(count, device)
 
 
 def splits_per_load(rows: int, num_splits: int, value_dim: int) -> int:
@@ -554,8 +554,11 @@ def split_outputs(q: torch.Tensor, value_dim: int, num_splits: int):
     lse = torch.empty(batch, heads_q, len_q, dtype=torch.float32, device=q.device)
     if num_splits == 1:
         return out, lse, out, lse
-    part_out = torch.empty(batch, heads_q, len_q, num_splits, value_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, heads_q, len_q, num_splits, dtype=torch.float32, device=q.device)
+    rows = batch * heads_q * len_q * num_splits
+    lse_room = ceil_div(rows, 4) * 4  # part_out 16-byte aligned after part_lse, in one allocation
+    part = torch.empty(lse_room + rows * value_dim, dtype=torch.float32, device=q.device)
+    part_lse = part[:rows].view(batch, heads_q, len_q, num_splits)
+    part_out = part[lse_room:].view(batch, heads_q, len_q, num_splits, value_dim)
     return out, lse, part_out, part_lse
 
 

@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ...checked_calls import tensor_layout
+from ...errors import on_own_thread
 
 MAX_PLANS = 256
 
@@ -64,12 +65,17 @@ class DescriptorRef(NamedTuple):
     template: Any
 
 
+EMPTY, ZEROED, COUNTERS = "empty", "zeroed", "counters"  # how a plan's buffer is made per call
+
+
 class Buffer(NamedTuple):
+    """A buffer the pass made: `made` EMPTY (uninitialized), ZEROED or COUNTERS (`stream_counters`)."""
+
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    zeroed: bool
+    made: str
 
 
 class Launch(NamedTuple):
@@ -258,8 +264,59 @@ def ensure_allocator() -> None:
 
 
 def allocate(buffer: Buffer) -> Tensor:
+    if buffer.made == COUNTERS:
+        return kept_counters(buffer.shape[0], buffer.device)
     x = torch.empty_strided(buffer.shape, buffer.stride, dtype=buffer.dtype, device=buffer.device)
-    return x.zero_() if buffer.zeroed else x
+    return x.zero_() if buffer.made == ZEROED else x
+
+
+COUNTERS_KEPT: OrderedDict = OrderedDict()  # (device, stream) -> int32 zeros
+MAX_COUNTER_STREAMS = 64
+
+
+def stream_counters(count: int, device: torch.device) -> Tensor:
+    """`count` int32 zeros for one launch of kernels that leave them zero when they finish (the decode
+    kernels' arrival counts). Outside CUDA-graph capture they are kept per (device, stream), so a call
+    neither allocates nor zeroes them (launches on one stream run one after another); a capture gets
+    zeros of its own, which its graph owns. A pass being recorded replays them the same way."""
+    recorder = getattr(LOCAL, "recorder", None)
+    if recorder is None:
+        return kept_counters(count, device)
+    recorder.paused = True
+    try:
+        counters = kept_counters(count, device)
+    finally:
+        recorder.paused = False
+    recorder.tensors.append(counters)
+    recorder.buffers.append(Buffer((count,), (1,), torch.int32, device, COUNTERS))
+    return counters
+
+
+def kept_counters(count: int, device: torch.device) -> Tensor:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    stream = current_stream(device)
+    kept = COUNTERS_KEPT.get((device, stream))
+    if kept is None or kept.numel() < count:
+        size = max(count, 2 * kept.numel()) if kept is not None else count
+        kept = COUNTERS_KEPT[device, stream] = new_counters(size, device)
+        if len(COUNTERS_KEPT) > MAX_COUNTER_STREAMS:  # freed in the order of their own streams' work
+            COUNTERS_KEPT.popitem(last=False)
+    return kept[:count]
+
+
+def new_counters(size: int, device: torch.device) -> Tensor:
+    """int32 zeros for the current stream, made on a thread of their own (`errors.on_own_thread`: not in
+    the memory pool of a CUDA graph that this thread may be warming up), allocated and zeroed on it."""
+    if device.type != "cuda":
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device)
+
+    def make():
+        with torch.cuda.stream(stream):
+            return torch.zeros(size, dtype=torch.int32, device=device)
+
+    return on_own_thread(make)
 
 
 def on_device(device: torch.device):
@@ -355,7 +412,7 @@ class Recorder(TorchFunctionMode):
         if func in ALLOCATE or func in ALLOCATE_ZEROED:
             self.tensors.append(result)
             self.buffers.append(Buffer(tuple(result.shape), result.stride(), result.dtype, result.device,
-                                       func in ALLOCATE_ZEROED))
+                                       ZEROED if func in ALLOCATE_ZEROED else EMPTY))
         elif func in IN_PLACE:
             self.note_in_place(func, args, kwargs or {})
         elif not leaves_no_trace(func, args, result) and self.refused is None:
