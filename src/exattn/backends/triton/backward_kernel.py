@@ -31,8 +31,8 @@ from .tile_io import (
     tile_pointers, tile_source, tile_walk,
 )
 from .tiles import (
-    LOG2E, dropout_keep, query_row_tile, row_slope, rule_masked_scores, score_mods, sequence_prefix, sequence_span,
-    segment_ids, tile_segments, with_prefix_keys, with_prefix_rows, with_segment_tiles,
+    dropout_keep, lse_in_base2, query_row_tile, row_slope, rule_masked_scores, score_mods, sequence_prefix,
+    sequence_span, segment_ids, tile_segments, with_prefix_keys, with_prefix_rows, with_segment_tiles,
 )
 
 
@@ -78,7 +78,7 @@ def load_lse2(LSE, row_base, rows, len_q, CHECK_ROWS: tl.constexpr):
         lse = tl.load(LSE + row_base + rows, mask=rows < len_q, other=float("-inf"))
     else:
         lse = tl.load(LSE + row_base + rows)
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return lse_in_base2(lse)
 
 
 @triton.jit

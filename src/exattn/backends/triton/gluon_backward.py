@@ -144,6 +144,7 @@ from .gluon_forward import (
 from .passes import LOG2E, float32_within, grid_of, on_device, settings
 from .replay import run_kernel
 from .segment_tables import RANGE_FIELDS, segment_tile_ranges
+from .tiles import lse_in_base2
 
 
 class GluonBackwardConfig(NamedTuple):
@@ -1250,7 +1251,7 @@ def row_stats_kernel(O, DO, LSE, LSE2, DELTA, SEM, CU_Q, o_strides, do_strides, 
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse = tl.load(LSE + in_batch * lse_strides[0] + h * lse_strides[1] + (first + rows).to(tl.int64) * lse_strides[2],
                   mask=inside, other=float("-inf")).to(tl.float32)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = lse_in_base2(lse)
     tl.store(LSE2 + out_row + rows, lse2, mask=rows < extent)
     tl.store(DELTA + out_row + rows, delta, mask=rows < extent)
     if SEM is not None:

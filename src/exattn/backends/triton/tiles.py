@@ -256,6 +256,12 @@ def dropout_keep(seed, dropout_p, row_base, rows, cols, len_k):
 
 
 @triton.jit
+def lse_in_base2(lse):
+    """lse · log2 e, with a row of no keys (-inf) read as +inf: its scores' exp2(s2 - lse2) are all 0."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
 def finalize(acc, m2, l):
     """`exattn.algebra.finalize` of base-2 running summaries: (out, lse) = (acc / l, (m2 + log2 l) * ln 2),
     lse natural log; a row with l = 0 gives 0 and -inf (NaN counts as mass, so NaN propagates)."""
