@@ -26,7 +26,8 @@ KNOWN: OrderedDict = OrderedDict()
 
 def call_signature(entry: str, tensors: tuple, window, options: tuple) -> tuple | None:
     """The signature of a call to `entry` with these tensors (or None), window and other arguments; None
-    where it cannot be kept (an argument of the wrong kind or unhashable: validation says what is wrong)."""
+    where an argument that should be a tensor is not (validation says what is wrong). A signature holding
+    something unhashable is never kept (`known_call`, `remember`)."""
     layout = []
     for x in tensors:
         if isinstance(x, torch.Tensor):
@@ -36,13 +37,8 @@ def call_signature(entry: str, tensors: tuple, window, options: tuple) -> tuple 
         else:
             return None
     window_types = tuple(map(type, window)) if type(window) is tuple else type(window)
-    key = (entry, tuple(layout), window, window_types, options, tuple(map(type, options)),
-           os.environ.get("TRITON_INTERPRET"))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return (entry, tuple(layout), window, window_types, options, tuple(map(type, options)),
+            os.environ.get("TRITON_INTERPRET"))
 
 
 def keepable(dropout_p, seed) -> bool:
@@ -59,12 +55,18 @@ def tensor_layout(x: torch.Tensor) -> tuple:
 
 def known_call(signature: tuple | None) -> Any:
     """What `remember` kept for this signature, or None."""
-    return None if signature is None else KNOWN.get(signature)
+    try:
+        return None if signature is None else KNOWN.get(signature)
+    except TypeError:  # an unhashable argument
+        return None
 
 
 def remember(signature: tuple | None, checked: Any) -> None:
     if signature is None or torch.compiler.is_compiling():
         return
-    KNOWN[signature] = checked
+    try:
+        KNOWN[signature] = checked
+    except TypeError:  # an unhashable argument
+        return
     if len(KNOWN) > MAX_SIGNATURES:
         KNOWN.popitem(last=False)
