@@ -161,8 +161,9 @@ def test_kept_calls_take_their_replay_plans_and_give_the_checked_results():
 def test_kept_decode_calls_take_their_replay_plan(monkeypatch):
     q, k, v, lens = decode_case(12)
     calls = [exattn.decode(q, k, v, cache_seqlens=lens, softcap=5.0, backend="triton") for _ in range(3)]
-    (_, kept), = checked_calls.KNOWN.values()
+    (_, kept, doorbell), = checked_calls.KNOWN.values()
     assert (kept is not None) == (DEVICE == "cuda")
+    assert (doorbell is not None) == (DEVICE == "cuda"), "a validated kept call reads the device's doorbell"
     assert torch.equal(calls[0], calls[2])
 
 

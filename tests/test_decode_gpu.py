@@ -356,6 +356,9 @@ def test_bad_inputs_raise_at_check_errors_and_at_the_next_call(case, monkeypatch
         exattn.decode(q, k, v, cache_seqlens=lens, block_table=table)
     exattn.decode(q, k, v, cache_seqlens=lens, block_table=table)
     exattn.check_errors()
+    exattn.decode(q, k, v, cache_seqlens=bad, block_table=bad_table if case == "page" else table)  # a kept plan
+    with pytest.raises(ValueError, match=pattern):
+        exattn.check_errors()
 
 
 def test_validated_calls_capture_in_a_cuda_graph_and_replays_record():

@@ -433,10 +433,12 @@ def raise_recorded(q: torch.Tensor, validate: bool) -> None:
 
 def run_kept(signature, known, q, k_cache, v_cache, cache_seqlens, block_table, sinks, leftpad, validate):
     """A call whose signature `decode` checked before: `known` is (the checked options, the kept replay plan
-    of its launches or None), the plan taken once there is one (`checked_calls`)."""
-    options, kept = known
+    of its launches or None, the device's error doorbell when validated and kept), the plan taken once there
+    is one (`checked_calls`)."""
+    options, kept, doorbell = known
     if kept is not None and kept.current():
-        raise_recorded(q, validate)
+        if doorbell is not None and doorbell.value:
+            errors.raise_recorded(q.device)
         tensors = [q, k_cache, v_cache, cache_seqlens]
         tensors += [x for x in (block_table, sinks, leftpad) if x is not None]
         return kept.plan.run(tensors)
@@ -444,7 +446,7 @@ def run_kept(signature, known, q, k_cache, v_cache, cache_seqlens, block_table, 
     result = run_triton_op(*op_args)
     kept = replayed_plan_and_launch().plan_for(*op_args)
     if kept is not None:
-        remember(signature, (options, kept))
+        remember(signature, (options, kept, errors.device_record(q.device).rung if validate else None))
     return result
 
 
@@ -793,7 +795,7 @@ def decode(
                                   window, softcap, alibi_slopes, sinks, cache_leftpad)
     name = choose_decode_backend(problem, backend)
     if name == "triton" and q.shape[0] > 0:
-        remember(signature, ((problem.scale, problem.num_splits, problem.window_left, problem.softcap), None))
+        remember(signature, ((problem.scale, problem.num_splits, problem.window_left, problem.softcap), None, None))
     if q.shape[0] == 0:
         out, lse = q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
     elif torch.compiler.is_compiling():

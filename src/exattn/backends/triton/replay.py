@@ -106,7 +106,7 @@ class DirectLaunch(NamedTuple):
     launch: Launch
     raw: Callable
     head: tuple  # (cooperative grid, PDL)
-    args: tuple  # the launcher's kernel arguments, tensors and descriptors replaced by None
+    args: tuple  # the launcher's kernel arguments: inputs, buffers and descriptors None, kept tensors addresses
     tensors: tuple[tuple[int, Ref], ...]
     descriptors: tuple[DescriptorFill, ...]
 
@@ -177,9 +177,18 @@ def direct_launch(launch: Launch) -> DirectLaunch | Launch:
             continue
         if position in slots:
             tensors.append((len(args), slots[position]))
-        args.append(arg)
+        args.append(kept_address(arg))
     head = (launcher.launch_cooperative_grid, launcher.launch_pdl)
     return DirectLaunch(launch, raw, head, tuple(args), tuple(tensors), tuple(descriptors))
+
+
+def kept_address(arg):
+    """A tensor the plan keeps (neither input nor buffer: the decode kernels' error record and doorbell) as
+    its address, which the launcher would query again every call; anything else as it is. Device memory
+    and pinned host memory (a mapped address under CUDA's unified addressing) are the kernels' own."""
+    if isinstance(arg, Tensor) and (arg.is_cuda or arg.is_pinned()):
+        return arg.data_ptr()
+    return arg
 
 
 def unwrapped_launcher(launch) -> tuple[Callable, frozenset, list] | None:
