@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests, then the canonical GPU benchmarks, on one GPU machine.
 #
-#   bash benchmarks/gpu_run.sh                       # all steps: tests memory prefill decode
+#   bash benchmarks/gpu_run.sh                       # all steps: tests memory prefill decode ... compiled
 #   bash benchmarks/gpu_run.sh prefill decode        # only the steps named
 #   SKIP=tests bash benchmarks/gpu_run.sh            # every step but those in SKIP (comma-separated)
 #   GPU_TESTS=tests/test_decode_gpu.py bash benchmarks/gpu_run.sh tests   # some test files only
@@ -10,13 +10,14 @@
 # Steps: tests = pytest -m gpu (parallel workers, so kernel compilation overlaps);
 # memory = benchmarks/gpu_memory.py; prefill = the prefill table (benchmarks/prefill.py);
 # decode = the decode table (benchmarks/decode.py); varlen = packed batches (benchmarks/varlen.py); masks = score rules (benchmarks/masks.py);
-# host = host time per call and first-call seconds (benchmarks/host.py). Run from the repository root
+# host = host time per call and first-call seconds (benchmarks/host.py); compiled = torch.compile against
+# eager (benchmarks/compiled.py). Run from the repository root
 # (exattn need not be installed: PYTHONPATH=src). Logs and JSON go to $OUT (default
 # /tmp/exattn-gpu); a benchmark run with its canonical flags (no *_ARGS) is also copied
 # to benchmarks/results/. GPU_TEST_TIMEOUT (seconds, default 900) bounds the tests;
 # PREFILL_ARGS and DECODE_ARGS are appended to those commands (later flags win).
 set -u
-STEPS="${*:-tests memory prefill decode varlen masks host}"
+STEPS="${*:-tests memory prefill decode varlen masks host compiled}"
 SKIP=",${SKIP:-},"
 OUT=${OUT:-/tmp/exattn-gpu}
 mkdir -p "$OUT" benchmarks/results
@@ -28,7 +29,7 @@ wanted() { [[ " $STEPS " == *" $1 "* && "$SKIP" != *",$1,"* ]]; }
 keep() { [ -z "$2" ] && [ -f "$OUT/$1" ] && cp "$OUT/$1" benchmarks/results/; }  # keep FILE EXTRA_ARGS
 
 for step in $STEPS; do
-    case $step in tests|memory|prefill|decode|varlen|masks|host) ;; *) echo "unknown step '$step'"; exit 2 ;; esac
+    case $step in tests|memory|prefill|decode|varlen|masks|host|compiled) ;; *) echo "unknown step '$step'"; exit 2 ;; esac
 done
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
@@ -88,5 +89,11 @@ if wanted host; then
     python3 benchmarks/host.py --first-call --profile ${HOST_ARGS:-} --out "$OUT/host-h200.json" > "$OUT/host.log" 2>&1
     keep host-h200.json "${HOST_ARGS:-}"
     grep -v "^ " "$OUT/host.log" | head -40
+fi
+if wanted compiled; then
+    stamp "compiled"
+    python3 benchmarks/compiled.py ${COMPILED_ARGS:-} --out "$OUT/compiled-h200.json" > "$OUT/compiled.log" 2>&1
+    keep compiled-h200.json "${COMPILED_ARGS:-}"
+    tail -40 "$OUT/compiled.log"
 fi
 stamp "done"

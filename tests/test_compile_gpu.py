@@ -6,14 +6,12 @@ Compiled and eager attention call the same passes on the same tensors: out, lse,
 must agree bitwise; the sinks' gradient (fused by inductor) and a module's parameter gradients
 (projections compiled by inductor) within bf16 tolerance.
 
-`python tests/test_compile_gpu.py [seq_len ...]` prints one forward + backward of attention,
-eager against compiled, in milliseconds (`compiled_vs_eager_ms`).
+Its speed against eager is measured by `benchmarks/compiled.py`.
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
 import torch
@@ -172,34 +170,3 @@ def test_varlen_reduce_overhead_steps_match_eager():
         ours = [x.clone() for x in outputs_and_grads(compiled, leaves)]
         assert_matches_eager(ours, outputs_and_grads(fn, leaves))
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-
-
-def compiled_vs_eager_ms(seq_len: int, tokens: int = 16384, heads: int = 16, head_dim: int = 128) -> dict:
-    """Milliseconds of one causal forward + backward of `exattn.attention` (bf16, tokens // seq_len
-    sequences): eager, torch.compile, and torch.compile(mode="reduce-overhead"). q, k, v are marked
-    static, so the CUDA graphs read them in place (no copy into the graph's buffers)."""
-    from triton.testing import do_bench
-
-    q, k, v, _ = dense_inputs(max(1, tokens // seq_len), heads, heads, seq_len, head_dim)
-    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
-    for x in (q, k, v):
-        torch._dynamo.mark_static_address(x)
-    dout = torch.randn_like(q)
-
-    def attend(q, k, v):
-        return exattn.attention(q, k, v, causal=True)
-
-    times = {}
-    for name, fn in (("eager", attend), ("compiled", torch.compile(attend, fullgraph=True)),
-                     ("reduce-overhead", torch.compile(attend, fullgraph=True, mode="reduce-overhead"))):
-        def step(fn=fn):
-            torch.compiler.cudagraph_mark_step_begin()
-            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
-        times[name] = do_bench(step, warmup=50, rep=300)
-    return times
-
-
-if __name__ == "__main__":
-    for length in [int(n) for n in sys.argv[1:]] or [1024, 4096]:
-        row = compiled_vs_eager_ms(length)
-        print(f"N={length}: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in row.items()))
