@@ -454,6 +454,8 @@ def call(args, **kwargs):
     (dict(cache_seqlens=torch.tensor([5, 5, 5], dtype=torch.int32)), ValueError, r"cache_seqlens must have shape \(2,\)"),
     (dict(k_cache=torch.randn(3, 2, 32, 8)), ValueError, "k_cache has batch 3 but q has 2"),
     (dict(k_cache=torch.randn(2, 3, 32, 8), v_cache=torch.randn(2, 3, 32, 8)), ValueError, "multiple of k_cache heads"),
+    (dict(k_cache=torch.randn(2, 0, 32, 8), v_cache=torch.randn(2, 0, 32, 8)), ValueError,
+     r"k_cache and v_cache have no heads \(dim 1 is 0\)"),
     (dict(v_cache=torch.randn(2, 2, 31, 8)), ValueError, "v_cache has length 31 but k_cache has 32"),
     (dict(k_cache=torch.randn(2, 2, 32, 9)), ValueError, "k_cache has head dim 9 but q has 8"),
     (dict(v_cache=torch.randn(2, 2, 32, 8, dtype=torch.float16)), TypeError, "v_cache has dtype"),
@@ -510,6 +512,14 @@ def test_empty_batch(backend):
     q, k, v, lens = make_case(1, 2, 1, 1, 8, 8, torch.float32)
     out, lse = exattn.decode(q[:0], k[:0], v[:0], cache_seqlens=lens[:0], return_lse=True, backend=backend)
     assert out.shape == (0, 2, 1, 8) and lse.shape == (0, 2, 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_query_head_gives_empty_outputs(backend):
+    q, k, v, lens = make_case(2, 2, 1, 1, 8, 8, torch.float32)
+    for _ in range(2):  # the second call of a signature takes the kept path
+        out, lse = exattn.decode(q[:, :0], k, v, cache_seqlens=lens, return_lse=True, backend=backend)
+        assert out.shape == (2, 0, 1, 8) and lse.shape == (2, 0, 1)
 
 
 # ---------------------------------------------------------------- window, softcap, ALiBi and sinks

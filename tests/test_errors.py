@@ -20,6 +20,7 @@ CASES = [
     ("batch mismatch", lambda q, k, v: (q, k.expand(2, -1, -1, -1), v, {}), ValueError, "batch sizes differ"),
     ("heads not divisible", lambda q, k, v: (q[:, :1].expand(1, 3, -1, -1), k.expand(-1, 2, -1, -1),
                                              v.expand(-1, 2, -1, -1), {}), ValueError, "multiple of key/value heads"),
+    ("no k/v heads", lambda q, k, v: (q, k[:, :0], v[:, :0], {}), ValueError, "k and v have no heads (dim 1 is 0)"),
     ("k/v heads differ", lambda q, k, v: (q, k, v.expand(-1, 2, -1, -1), {}), ValueError, "v has 2 heads"),
     ("k/v lengths differ", lambda q, k, v: (q, k, v[:, :, :5], {}), ValueError, "v has 5 keys"),
     ("head dim mismatch", lambda q, k, v: (q, k[..., :7], v, {}), ValueError, "k has head dim 7"),

@@ -164,6 +164,8 @@ BAD = [
     ("heads differ without gqa", lambda q, k, v: ((q, k, v), {}), ValueError, "pass enable_gqa=True"),
     ("gqa not divisible", lambda q, k, v: ((q[:, :3], k, v), {"enable_gqa": True}), ValueError,
      "query heads (3) must be a multiple of key/value heads (2)"),
+    ("gqa without k/v heads", lambda q, k, v: ((q, k[:, :0], v[:, :0]), {"enable_gqa": True}), ValueError,
+     "with enable_gqa, key and value have no heads"),
     ("gqa k/v heads differ", lambda q, k, v: ((q, k, v[:, :1]), {"enable_gqa": True}), ValueError,
      "key (2) and value (1) must have the same number of heads"),
     ("batch does not broadcast", lambda q, k, v: ((q.expand(3, -1, -1, -1), k.expand(2, -1, -1, -1),

@@ -178,6 +178,22 @@ def test_fully_masked_rows_give_zeros_minus_inf_and_zero_grads(backend):
         assert not torch.isnan(t).any()
 
 
+@pytest.mark.parametrize("backend", ["tiled", "naive", "triton"])
+@pytest.mark.parametrize("empty", ["batch", "query heads", "queries"])
+@pytest.mark.parametrize("rules", [{}, {"prefix": 2, "softcap": 3.0, "dropout_p": 0.2, "seed": 1}])
+def test_no_query_row_gives_empty_outputs_and_zero_grads(backend, empty, rules):
+    """B, Hq or Nq of 0 (Hk >= 1): empty out and lse, empty dq, zero dk and dv; nothing raises."""
+    b, hq, nq = {"batch": (0, 2, 5), "query heads": (2, 0, 5), "queries": (2, 2, 0)}[empty]
+    q = torch.randn(b, hq, nq, 8, requires_grad=True)
+    k, v = (torch.randn(b, 1, 6, 8, requires_grad=True) for _ in range(2))
+    segments = {"segment_ids": (torch.zeros(b, nq, dtype=torch.int32), torch.zeros(b, 6, dtype=torch.int32))}
+    out, lse = exattn.attention(q, k, v, causal=True, backend=backend, return_lse=True, **rules, **segments)
+    assert out.shape == (b, hq, nq, 8) and lse.shape == (b, hq, nq) and lse.dtype == torch.float32
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert dq.shape == q.shape
+    assert torch.equal(dk, torch.zeros_like(k)) and torch.equal(dv, torch.zeros_like(v))
+
+
 def test_everything_masked_with_minus_inf_bias():
     q, k, v = make_inputs((1, 1, 1, 5, 7, 8, 8), torch.float32)
     bias = torch.full((5, 7), float("-inf"))

@@ -130,7 +130,9 @@ def check_cache_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged:
         raise ValueError(f"v_cache has {lead} {v.shape[0]} but k_cache has {k.shape[0]}; they must match")
     if v.shape[1] != k.shape[1]:
         raise ValueError(f"v_cache has {v.shape[1]} heads but k_cache has {k.shape[1]}; they must match")
-    if k.shape[1] == 0 or heads_q % k.shape[1] != 0:
+    if k.shape[1] == 0:
+        raise ValueError("k_cache and v_cache have no heads (dim 1 is 0): at least one key/value head is needed")
+    if heads_q % k.shape[1] != 0:
         raise ValueError(
             f"query heads ({heads_q}) must be a multiple of k_cache heads ({k.shape[1]})"
         )
@@ -794,9 +796,9 @@ def decode(
     problem = make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate,
                                   window, softcap, alibi_slopes, sinks, cache_leftpad)
     name = choose_decode_backend(problem, backend)
-    if name == "triton" and q.shape[0] > 0:
+    if name == "triton" and q.numel() > 0:
         remember(signature, ((problem.scale, problem.num_splits, problem.window_left, problem.softcap), None, None))
-    if q.shape[0] == 0:
+    if q.numel() == 0:  # no batch or no query head: nothing to attend
         out, lse = q.new_empty(*q.shape[:3], v_cache.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
     elif torch.compiler.is_compiling():
         out, lse = DECODE_OPS[name](*decode_op_args(problem))

@@ -221,7 +221,9 @@ def check_qkv(q: object, k: object, v: object) -> None:
         )
     if v.shape[1] != k.shape[1]:
         raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}; they must match")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+    if k.shape[1] == 0:
+        raise ValueError("k and v have no heads (dim 1 is 0): at least one key/value head is needed")
+    if q.shape[1] % k.shape[1] != 0:
         raise ValueError(
             f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
         )

@@ -119,6 +119,8 @@ def batch_layout(query, key, value, enable_gqa: object) -> tuple[tuple[int, ...]
     if enable_gqa:
         if hk != hv:
             raise ValueError(f"with enable_gqa, key ({hk}) and value ({hv}) must have the same number of heads")
+        if hk == 0:
+            raise ValueError("with enable_gqa, key and value have no heads (dim -3 is 0): at least one is needed")
         if hq % hk != 0:
             raise ValueError(f"with enable_gqa, query heads ({hq}) must be a multiple of key/value heads ({hk})")
         return lead, hq, hk

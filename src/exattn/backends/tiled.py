@@ -276,11 +276,13 @@ class TileContext:
 def tiled_forward(q, k, v, mask, params: AttentionParams, rules: ScoreRules | None = None):
     """out (B, Hq, Nq, Dv) in q's dtype and lse (B, Hq, Nq) in the compute dtype (the sink
     included)."""
+    out = torch.empty(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=compute_dtype(q.dtype), device=q.device)
+    if q.numel() == 0:  # no query row (B, Hq or Nq is 0): nothing to tile
+        return out, lse
     ctx = TileContext(q, k, mask, params, rules)
     sinks = None if rules is None else rules.sinks
     q5 = grouped(q, ctx.heads_k)
-    out = torch.empty(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:3], dtype=ctx.dtype, device=q.device)
     out5, lse5 = grouped(out, ctx.heads_k), grouped(lse, ctx.heads_k)
     for rows in spans(0, ctx.len_q, ctx.block_m):
         q_tile = ctx.stack(q5, rows)
@@ -324,6 +326,10 @@ def tiled_backward(dout, q, k, v, mask, out, lse, params: AttentionParams, accum
     The sinks' gradient is not here: it needs only lse, dout and out (`masks.sinks_grad`).
     """
     accumulate_into = check_accumulators(accumulate_into, q, k, v)
+    if q.numel() == 0:  # no query row: no gradient reaches k or v
+        if accumulate_into is not None:
+            return accumulate_into
+        return torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     ctx = TileContext(q, k, mask, params, rules, backward=True)
     q5, do5 = grouped(q, ctx.heads_k), grouped(dout, ctx.heads_k)
     delta5 = grouped((dout.to(ctx.dtype) * out.to(ctx.dtype)).sum(-1, keepdim=True), ctx.heads_k)
