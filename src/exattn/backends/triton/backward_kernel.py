@@ -31,8 +31,8 @@ from .tile_io import (
     tile_pointers, tile_source, tile_walk,
 )
 from .tiles import (
-    dropout_keep, lse_in_base2, query_row_tile, row_slope, rule_masked_scores, score_mods, sequence_prefix,
-    sequence_span, segment_ids, tile_segments, with_prefix_keys, with_prefix_rows, with_segment_tiles,
+    dropout_keep, lse_in_base2, query_row_tile, recomputed_probabilities, row_slope, rule_masked_scores, score_mods,
+    sequence_prefix, sequence_span, segment_ids, tile_segments, with_prefix_keys, with_prefix_rows, with_segment_tiles,
 )
 
 
@@ -123,7 +123,7 @@ def dkdv_segment(
         if CHECK_BAND or MASK_KIND != 0:
             s2t = rule_masked_scores(s2t, rows, cols, len_q, len_k, left, right, mask_base, mask_strides, mods,
                                      CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, HAS_PREFIX, HAS_SEGMENTS, True)
-        pt = tl.math.exp2(s2t - lse2[None, :])
+        pt = recomputed_probabilities(s2t - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
             keep = dropout_keep(seed, dropout_p, drop_base, rows[None, :], cols[:, None], drop_cols)
@@ -295,7 +295,7 @@ def dq_segment(
         if CHECK_BAND or MASK_KIND != 0:
             s2 = rule_masked_scores(s2, rows, cols, len_q, len_k, left, right, mask_base, mask_strides, mods,
                                     CHECK_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, HAS_PREFIX, HAS_SEGMENTS, False)
-        p = tl.math.exp2(s2 - lse2[:, None])
+        p = recomputed_probabilities(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
             keep = dropout_keep(seed, dropout_p, drop_base, rows[:, None], cols[None, :], drop_cols)

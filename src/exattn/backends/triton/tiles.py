@@ -256,6 +256,14 @@ def dropout_keep(seed, dropout_p, row_base, rows, cols, len_k):
 
 
 @triton.jit
+def recomputed_probabilities(exponent):
+    """P = exp2(s2 - lse2) recomputed in a backward pass, at most 1: the backward's scores round apart from
+    the forward's (another operand order), and from |s| ~ 2^31 that gap could exceed 128 and make P
+    overflow (inf, then NaN in dS). NaN propagates."""
+    return tl.math.exp2(tl.minimum(exponent, 0.0, propagate_nan=tl.PropagateNan.ALL))
+
+
+@triton.jit
 def lse_in_base2(lse):
     """lse · log2 e, with a row of no keys (-inf) read as +inf: its scores' exp2(s2 - lse2) are all 0."""
     return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
