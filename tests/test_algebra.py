@@ -215,3 +215,31 @@ def test_absorb_of_an_empty_row_keeps_it_empty():
     out, lse = finalize(absorbed)
     assert lse[0, 0] == float("-inf") and (out[0, 0] == 0).all()
     assert torch.isfinite(lse[0, 1]) and not out.isnan().any()
+
+
+ALGEBRA_BAD = [
+    ("scores not a tensor", lambda: summarize([1.0, 2.0], torch.ones(2, 3)), TypeError, "scores must be a torch.Tensor"),
+    ("integer values", lambda: summarize(torch.ones(4, 2), torch.ones(2, 3, dtype=torch.int64)), TypeError,
+     "values must be float16"),
+    ("keys differ", lambda: summarize(torch.ones(4, 5), torch.ones(2, 3)), ValueError,
+     "values has 2 keys (dim -2) but scores has 5 (dim -1)"),
+    ("values of other rows", lambda: summarize(torch.ones(3, 4, 2), torch.ones(5, 2, 3)), ValueError,
+     "values' leading dims (5,) do not broadcast to the scores' batch dims (3,)"),
+    ("weights of another shape", lambda: summarize(torch.ones(4, 2), torch.ones(2, 3), torch.ones(3, 2)), ValueError,
+     "numerator_weights' dims (3, 2) do not broadcast to those of scores (4, 2)"),
+    ("summary not a triple", lambda: merge(torch.ones(2), random_summary(1)), TypeError, "a must be a BlockSummary"),
+    ("u of other rows", lambda: finalize(BlockSummary(torch.ones(3), torch.ones(3), torch.ones(4, 2))), ValueError,
+     "s: m (3,), l (3,) and u (4, 2) must be"),
+    ("sides that do not broadcast", lambda: merge(random_summary(1), BlockSummary(*(torch.ones(2, *d) for d in ((), (), (5,))))),
+     ValueError, "do not broadcast together"),
+    ("lse of other rows", lambda: merge_states(torch.ones(3, 2), torch.ones(4), torch.ones(3, 2), torch.ones(3)),
+     ValueError, "lse_a has shape (4,) but out_a (3, 2) needs (3,)"),
+]
+
+
+@pytest.mark.parametrize("case", ALGEBRA_BAD, ids=[c[0] for c in ALGEBRA_BAD])
+def test_bad_arguments_of_the_public_algebra_are_refused_by_name(case):
+    _, call, error, message = case
+    with pytest.raises(error) as info:
+        call()
+    assert message in str(info.value), str(info.value)

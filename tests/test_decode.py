@@ -515,6 +515,22 @@ def test_empty_batch(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "sinks"])
+def test_inputs_that_require_grad_are_refused_with_grad_on(backend, name):
+    """decode has no backward: with grad mode on, an input that requires grad is refused by name (also on
+    the kept path of a signature seen before); under torch.no_grad() the same call runs."""
+    q, k, v, lens = make_case(2, 2, 1, 1, 8, 8, torch.float32)
+    args = dict(q=q, k_cache=k, v_cache=v, sinks=torch.randn(2, device=DEVICE))
+    exattn.decode(**args, cache_seqlens=lens, backend=backend)  # kept for this signature
+    args[name] = args[name].clone().requires_grad_()
+    with pytest.raises(ValueError, match=f"decode computes no gradient, but {name} requires grad"):
+        exattn.decode(**args, cache_seqlens=lens, backend=backend)
+    with torch.no_grad():
+        out = exattn.decode(**args, cache_seqlens=lens, backend=backend)
+    assert out.shape == (2, 2, 1, 8) and not out.requires_grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_no_query_head_gives_empty_outputs(backend):
     q, k, v, lens = make_case(2, 2, 1, 1, 8, 8, torch.float32)
     for _ in range(2):  # the second call of a signature takes the kept path

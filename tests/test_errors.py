@@ -78,6 +78,14 @@ def test_oracle_needs_dropout_p_with_a_mask():
 def test_dropout_mask_arguments():
     with pytest.raises(ValueError, match="shape must be"):
         exattn.dropout_mask(1, (2, 3), 0.1)
+    with pytest.raises(ValueError, match=r"four non-negative ints, got \(1, 1, -2, 2\)"):
+        exattn.dropout_mask(1, (1, 1, -2, 2), 0.1)
+    for shape in ((1, 1, 2.5, 2), (1, True, 2, 2), "abcd", 7):
+        with pytest.raises(TypeError, match="shape must be a sequence of four ints"):
+            exattn.dropout_mask(1, shape, 0.1)
+    with pytest.raises(ValueError, match="more than a tensor can hold"):
+        exattn.dropout_mask(1, (2**40, 2**40, 1, 1), 0.1)
+    assert exattn.dropout_mask(1, torch.Size([1, 1, 2, 3]), 0.1).shape == (1, 1, 2, 3)
     with pytest.raises(TypeError, match="seed must be an int"):
         exattn.dropout_mask(None, (1, 1, 2, 2), 0.1)
 

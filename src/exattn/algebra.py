@@ -75,6 +75,7 @@ def summarize(
     dropout does (keep / (1 - p)): the denominator stays that of the softmax.
     Returns m, l of shape (...,) and u of shape (..., Dv), in the scores' dtype.
     """
+    check_block(scores, values, numerator_weights)
     return summarize_(scores.clone(), values, numerator_weights)
 
 
@@ -103,6 +104,8 @@ def merge(a: BlockSummary, b: BlockSummary) -> BlockSummary:
 
     Shapes broadcast and dtypes promote as in ordinary arithmetic.
     """
+    a, b = check_summary("a", a), check_summary("b", b)
+    check_broadcast(a=a.u, b=b.u)
     dtype = torch.promote_types(a.u.dtype, b.u.dtype)
     rows = torch.broadcast_shapes(a.m.shape, b.m.shape)
     values = torch.broadcast_shapes(a.u.shape, b.u.shape)
@@ -175,6 +178,7 @@ def add_weighted_values_(numerator: torch.Tensor, weights: torch.Tensor, values:
 
 def finalize(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)` = `(u / l, m + log l)`; a row with `l = 0` gives zeros and -inf."""
+    s = check_summary("s", s)
     m = s.m.to(torch.promote_types(s.m.dtype, s.l.dtype), copy=True)
     u = s.u.to(torch.promote_types(s.u.dtype, s.l.dtype), copy=True)
     return finalize_(BlockSummary(m, s.l, u))
@@ -200,6 +204,9 @@ def merge_states(
     in out_a's dtype, `lse` in float32 (float64 for float64 inputs). A state
     with lse = -inf is the identity.
     """
+    for side, (out, lse) in (("a", (out_a, lse_a)), ("b", (out_b, lse_b))):
+        check_state(f"out_{side}", out, f"lse_{side}", lse)
+    check_broadcast(out_a=out_a, out_b=out_b)
     acc = torch.float64 if torch.float64 in (out_a.dtype, lse_a.dtype) else torch.float32
     out, lse = finalize(merge(as_summary(out_a, lse_a, acc), as_summary(out_b, lse_b, acc)))
     return out.to(out_a.dtype), lse
@@ -223,3 +230,85 @@ def as_summary(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> Bloc
     """A normalized state as a summary: `(m, l, u) = (lse, 1, out)`; empty if lse = -inf."""
     lse = lse.to(dtype)
     return BlockSummary(lse, (lse != NEG_INF).to(dtype), out.to(dtype))
+
+
+# ---------------------------------------------------------------- checks of the public functions' arguments
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def float_tensor(name: str, x: object, min_dims: int = 0) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if x.dim() < min_dims:
+        raise ValueError(f"{name} must have at least {min_dims} dims, got shape {tuple(x.shape)}")
+    return x
+
+
+def same_device(**tensors: torch.Tensor) -> None:
+    (first_name, first), *rest = tensors.items()
+    for name, x in rest:
+        if x.device != first.device:
+            raise ValueError(f"{name} is on {x.device} but {first_name} is on {first.device}; they must share one")
+
+
+def broadcasts_to(name: str, shape: tuple[int, ...], target: tuple[int, ...], what: str) -> None:
+    try:
+        fits = torch.broadcast_shapes(shape, target) == torch.Size(target)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} {tuple(shape)} do not broadcast to {what} {tuple(target)}")
+
+
+def check_broadcast(**tensors: torch.Tensor) -> None:
+    """Two tensors whose shapes must broadcast together (the two sides of a merge)."""
+    (a_name, a), (b_name, b) = tensors.items()
+    try:
+        torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        raise ValueError(f"{a_name} {tuple(a.shape)} and {b_name} {tuple(b.shape)} do not broadcast together") from None
+    same_device(**tensors)
+
+
+def check_block(scores: object, values: object, numerator_weights: object) -> None:
+    """`summarize`'s arguments: scores (..., n); values (..., n, Dv) per score row or shared by the rows of
+    scores' second-to-last axis; numerator_weights broadcasting to scores."""
+    scores, values = float_tensor("scores", scores, 1), float_tensor("values", values, 2)
+    same_device(scores=scores, values=values)
+    if values.shape[-2] != scores.shape[-1]:
+        raise ValueError(f"values has {values.shape[-2]} keys (dim -2) but scores has {scores.shape[-1]} (dim -1)")
+    if values.dim() == scores.dim() + 1:
+        broadcasts_to("values' leading dims", values.shape[:-2], scores.shape[:-1], "the score rows")
+    elif scores.dim() < 2 or values.dim() > scores.dim():
+        raise ValueError(f"values of shape {tuple(values.shape)} match neither (..., n, Dv) per row nor "
+                         f"(..., n, Dv) shared by the rows of scores {tuple(scores.shape)}")
+    else:
+        broadcasts_to("values' leading dims", values.shape[:-2], scores.shape[:-2], "the scores' batch dims")
+    if numerator_weights is not None:
+        weights = float_tensor("numerator_weights", numerator_weights)
+        same_device(scores=scores, numerator_weights=weights)
+        broadcasts_to("numerator_weights' dims", weights.shape, scores.shape, "those of scores")
+
+
+def check_summary(name: str, s: object) -> BlockSummary:
+    """A `BlockSummary` (or any (m, l, u) triple): m and l (...,), u (..., Dv), on one device."""
+    if not isinstance(s, tuple) or len(s) != 3:
+        raise TypeError(f"{name} must be a BlockSummary (m, l, u), got {type(s).__name__}")
+    m, l, u = (float_tensor(f"{name}.{field}", x, dims) for field, x, dims in zip("mlu", s, (0, 0, 1)))  # noqa: E741
+    if l.shape != m.shape or u.shape[:-1] != m.shape:
+        raise ValueError(f"{name}: m {tuple(m.shape)}, l {tuple(l.shape)} and u {tuple(u.shape)} must be "
+                         "(...,), (...,) and (..., Dv) over the same rows")
+    same_device(**{f"{name}.m": m, f"{name}.l": l, f"{name}.u": u})
+    return BlockSummary(m, l, u)
+
+
+def check_state(out_name: str, out: object, lse_name: str, lse: object) -> None:
+    """A normalized state: out (..., Dv) and lse (...,) over the same rows, on one device."""
+    out, lse = float_tensor(out_name, out, 1), float_tensor(lse_name, lse)
+    if lse.shape != out.shape[:-1]:
+        raise ValueError(f"{lse_name} has shape {tuple(lse.shape)} but {out_name} {tuple(out.shape)} needs "
+                         f"{tuple(out.shape[:-1])} (its rows)")
+    same_device(**{out_name: out, lse_name: lse})

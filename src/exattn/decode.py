@@ -703,6 +703,15 @@ def run_tiled_op(*op_args) -> tuple[torch.Tensor, torch.Tensor]:
 DECODE_OPS = {"triton": define_decode_op("triton", run_triton_op), "tiled": define_decode_op("tiled", run_tiled_op)}
 
 
+def refuse_gradients(**tensors) -> None:
+    """decode has no backward pass: a tensor that requires grad, with grad mode on, is refused rather than
+    given an output that silently carries no gradient."""
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise ValueError(f"decode computes no gradient, but {name} requires grad: call it under "
+                             f"torch.no_grad() or pass {name}.detach() (exattn.attention is differentiable)")
+
+
 # ---------------------------------------------------------------- public entry point
 
 @overload
@@ -785,6 +794,8 @@ def decode(
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
     """
     check_bool("return_lse", return_lse)
+    if torch.is_grad_enabled():
+        refuse_gradients(q=q, k_cache=k_cache, v_cache=v_cache, sinks=sinks)
     signature = None
     if cache_seqlens is not None and alibi_slopes is None and not torch.compiler.is_compiling():
         tensors = (q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_leftpad)

@@ -15,6 +15,9 @@ backend, for every tile size, forward and backward.
 
 from __future__ import annotations
 
+import math
+import operator
+
 import torch
 
 from .problem import check_dropout
@@ -97,7 +100,22 @@ def dropout_mask(seed: int, shape, dropout_p: float, device=None) -> torch.Tenso
     if seed is None:
         raise TypeError("seed must be an int, got None")
     dropout_p, seed = check_dropout(dropout_p, seed)
-    shape = tuple(int(n) for n in shape)
-    if len(shape) != 4:
-        raise ValueError(f"shape must be (B, Hq, Nq, Nk), got {shape}")
+    shape = check_mask_shape(shape)
     return keep_tile(seed, dropout_p, shape, *(range(n) for n in shape), device=device)
+
+
+def check_mask_shape(shape) -> tuple[int, int, int, int]:
+    """`dropout_mask`'s shape: four non-negative ints (numpy's and 0-d int tensors count) whose product a
+    tensor can hold."""
+    try:
+        dims = tuple(shape)
+        if any(isinstance(n, bool) for n in dims):
+            raise TypeError
+        dims = tuple(operator.index(n) for n in dims)
+    except TypeError:
+        raise TypeError(f"shape must be a sequence of four ints (B, Hq, Nq, Nk), got {shape!r}") from None
+    if len(dims) != 4 or min(dims) < 0:
+        raise ValueError(f"shape must be (B, Hq, Nq, Nk) of four non-negative ints, got {dims}")
+    if math.prod(dims) >= 2**63:
+        raise ValueError(f"shape {dims} has {math.prod(dims)} elements, more than a tensor can hold (2**63 - 1)")
+    return dims

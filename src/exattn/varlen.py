@@ -131,8 +131,8 @@ def check_offsets(name: str, offsets: object, q: torch.Tensor) -> torch.Tensor:
 def check_max_seqlen(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+    if not 0 <= value < 2**31:
+        raise ValueError(f"{name} must be in [0, 2**31) (int32 offsets), got {value}")
     return int(value)
 
 
