@@ -790,6 +790,9 @@ def decode(
     errors recorded by replays surface at `check_errors()` or the next eager validated call. The
     tiled path runs as `exattn::decode_tiled`, which reads the lengths on the host when it runs.
 
+    No backward pass: with grad mode on, a q, cache or sinks that requires grad is refused (ValueError);
+    call it under torch.no_grad(), or use `exattn.attention`, which is differentiable.
+
     Returns:
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
     """
