@@ -44,6 +44,8 @@ CASES = [
     ("window negative", lambda q, k, v: (q, k, v, {"window": (-2, 0)}), ValueError, "window left must be >= 0 or -1"),
     ("causal not bool", lambda q, k, v: (q, k, v, {"causal": 1}), TypeError, "causal must be a bool"),
     ("scale not a number", lambda q, k, v: (q, k, v, {"scale": "x"}), TypeError, "scale must be a float"),
+    ("scale not finite", lambda q, k, v: (q, k, v, {"scale": float("nan")}), ValueError, "scale must be finite, got nan"),
+    ("scale infinite", lambda q, k, v: (q, k, v, {"scale": -float("inf")}), ValueError, "scale must be finite, got -inf"),
 ]
 
 

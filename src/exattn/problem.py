@@ -6,6 +6,7 @@ inputs here; backends receive a problem they can trust.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -240,7 +241,10 @@ def check_scale(scale: object, head_dim: int) -> float:
         return head_dim ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    return float(scale)
+    value = float(scale) if abs(scale) < 2**1024 else math.inf  # float() of a larger int overflows
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return value
 
 
 def check_bool(name: str, value: object) -> bool:
