@@ -1020,22 +1020,6 @@ def test_rows_with_no_key_get_zero_gradients(d, path, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", ["kernel", "ordered"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_gradients_stay_finite_for_logits_past_two_to_the_thirty(d, path, monkeypatch):
-    """bf16, scale 1e9: scores of about 1e10, where the recomputed P would overflow without its clamp at 1
-    (`recomputed_probabilities`)."""
-    monkeypatch.setattr(gb.settings, "ordered_dq", path == "ordered")
-    torch.manual_seed(5)
-    q, k, v, dout = gpu_inputs(1, 2, 2, 700, 700, d, torch.bfloat16, with_dout=True)
-    params = AttentionParams(scale=1e9, window=(-1, 0))
-    out, lse = saved_forward(q, k, v, params)
-    for name, g in zip(("dq", "dk", "dv"), gb.gluon_backward(dout, q, k, v, out, lse, params)):
-        assert torch.isfinite(g).all(), f"{name}: {(~torch.isfinite(g)).sum().item()} non-finite values"
-
-
-@pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])

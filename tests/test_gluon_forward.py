@@ -370,6 +370,23 @@ def test_persistent_grid_only_for_full_attention():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_negative_scale_takes_each_rows_true_maximum(d, causal):
+    """The kernel scales each tile's row maximum of the raw scores; a negative scale runs as -q with |scale|
+    (`passes.with_positive_scale`): logits of about +-100 stay finite and match the oracle."""
+    torch.manual_seed(13)
+    q, k, v = gpu_inputs(1, 4, 2, 333, 515, d, torch.bfloat16, logit_scale=8.0)
+    params = AttentionParams(scale=-0.3, window=(-1, 0) if causal else (-1, -1))
+    out, lse = gf.gluon_forward(q, k, v, params)
+    naive = exattn.attention(q, k, v, causal=causal, scale=-0.3, backend="naive", return_lse=True)
+    ref = attention_ref(q, k, v, causal=causal, scale=-0.3, return_lse=True)
+    for name, ours, base, r in zip(("out", "lse"), (out, lse), naive, ref):
+        assert_matches_oracle(name, ours, base, r, q.dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 def test_fully_masked_rows_give_zero_and_minus_inf(dtype, d):

@@ -122,6 +122,16 @@ def test_gradients_stay_finite_for_logits_past_two_to_the_thirty(backend, scale)
     torch.testing.assert_close(out.double(), chosen, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kwargs", [{}, dict(softcap=5.0, window=(9, 2))], ids=["plain", "softcap-window"])
+def test_a_negative_scale_takes_each_rows_true_maximum(dtype, kwargs):
+    """A tile's row maximum of the raw scores, scaled after, is the scaled maximum only for scale >= 0: with
+    scale = -0.2 and logits of about +-40 the unmasked tiles' weights overflowed (inf, then NaN)."""
+    torch.manual_seed(6)
+    q, k, v = make_inputs(1, 2, 1, 64, 70, 32, 32, dtype, scale_inputs=10.0)
+    check_against_oracle(q, k, v, scale=-0.2, **kwargs)
+
+
 def cpu_has_avx2() -> bool:
     cpuinfo = Path("/proc/cpuinfo")
     return cpuinfo.exists() and " avx2" in cpuinfo.read_text()

@@ -323,16 +323,6 @@ def all_allowed(r0, k0, NR: gl.constexpr, NK: gl.constexpr, ctx, one_segment, CA
     return allowed
 
 
-NAN_PROPAGATES: gl.constexpr = gl.constexpr(tl.PropagateNan.ALL)
-
-
-@gluon.jit
-def recomputed_probabilities(exponent):
-    """P = exp2(exponent) at most 1, NaN propagating: `tiles.recomputed_probabilities` (the backward's
-    scores round apart from the forward's; at |s| ~ 2^31 that gap would overflow P)."""
-    return gl.exp2(gl.minimum(exponent, 0.0, propagate_nan=NAN_PROPAGATES))
-
-
 @gluon.jit
 def rule_probabilities(s, lse2, q_pos, k_pos, ctx, scale_log2, RULES: gl.constexpr):
     """P = exp2(S' * scale_log2 - lse2) from raw scores s after the rules (`rule_scores`; lse2 broadcast
@@ -340,9 +330,9 @@ def rule_probabilities(s, lse2, q_pos, k_pos, ctx, scale_log2, RULES: gl.constex
     at once."""
     if RULES & SOFTCAP and not RULES & ALIBI:
         capped = fast_tanh(s * ctx[INV_CAP])
-        return recomputed_probabilities(capped * (scale_log2 * ctx[CAP]) - lse2), 1.0 - capped * capped
+        return gl.exp2(capped * (scale_log2 * ctx[CAP]) - lse2), 1.0 - capped * capped
     s, slope_of_cap = rule_scores(s, q_pos + (ctx[LEN_K] - ctx[LEN_Q]), k_pos, ctx, RULES)
-    return recomputed_probabilities(s * scale_log2 - lse2), slope_of_cap
+    return gl.exp2(s * scale_log2 - lse2), slope_of_cap
 
 
 @gluon.jit
@@ -637,7 +627,7 @@ def dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, bars, dk, dv, diagona
     else:
         s = warpgroup_mma_wait(1, deps=(s_tok,))
     if RULES == 0:
-        p = recomputed_probabilities(s * scale_log2 - gl.expand_dims(lse2, 0))
+        p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 0))
         if CAUSAL:
             if t < full:  # key n is seen by query m iff n - (Nk - Nq) - t * BLOCK_M <= m - t * BLOCK_M
                 rows = gl.arange(0, ROWS_, layout=gl.SliceLayout(1, s_layout))
@@ -712,7 +702,7 @@ def left_alibi_probabilities(s, lse2, keys_past, ctx, scale_log2, RULES: gl.cons
         capped = fast_tanh(s * ctx[INV_CAP])
         s = ctx[CAP] * capped
         slope_of_cap = 1.0 - capped * capped
-    return recomputed_probabilities((keys_past * ctx[SLOPE] + s) * scale_log2 - lse2), slope_of_cap
+    return gl.exp2((keys_past * ctx[SLOPE] + s) * scale_log2 - lse2), slope_of_cap
 
 
 @gluon.jit
@@ -943,7 +933,7 @@ def dq_step(q, do, k_smem, v_smem, bars, dq, lse2, delta, rows, j, r, len_q, len
     s_tok, dp_tok = issue_s_and_dp(q, k, do, v, k_ready, v_ready, r, STAGES, s_layout)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
     if RULES == 0:
-        p = recomputed_probabilities(s * scale_log2 - gl.expand_dims(lse2, 1))
+        p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
         if MASK:
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             if CAUSAL:

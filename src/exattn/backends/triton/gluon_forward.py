@@ -56,7 +56,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...problem import UNBOUNDED, AttentionParams, ScoreRules
 from . import schedule
 from .configs import COUNTS, ceil_div, gluon_device_reasons, multiprocessor_count, tma_compatible
-from .passes import on_device, scalar_args
+from .passes import on_device, scalar_args, with_positive_scale
 from .segment_tables import RANGE_FIELDS, segment_tile_ranges
 from .replay import run_kernel
 
@@ -1003,6 +1003,7 @@ def run_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
 
 
 def launch(q, k, v, params: AttentionParams, rules, packing):
+    q, params = with_positive_scale(q, params)  # the kernel scales each tile's row maximum of raw scores
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if packing is None:
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)

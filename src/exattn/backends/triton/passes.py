@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -329,7 +329,17 @@ def triton_forward(q, k, v, mask, params: AttentionParams, packing: Packing | No
         return launch_forward(q, k, v, mask, params, packing, rules)
 
 
+def with_positive_scale(q: torch.Tensor, params: AttentionParams) -> tuple[torch.Tensor, AttentionParams]:
+    """(q, params) for a forward kernel that takes a tile's row maximum of the raw scores and scales it after,
+    which holds for a scale >= 0 only: a negative scale becomes -q with |scale|, the same scores (its q is a
+    copy, and the pass is not replayed)."""
+    if params.scale >= 0:
+        return q, params
+    return q.neg(), replace(params, scale=-params.scale)
+
+
 def launch_forward(q, k, v, mask, params: AttentionParams, packing: Packing | None = None, rules=None):
+    q, params = with_positive_scale(q, params)
     batch, heads_q, heads_k, len_q, len_k, dim, dim_v = problem_sizes(q, k, v, packing)
     out = torch.empty((*q.shape[:-1], dim_v), dtype=q.dtype, device=q.device)
     lse = row_stats(q, packing)
