@@ -797,18 +797,21 @@ def decode(
         out (B, Hq, Nq, Dv) in q's dtype, or (out, lse) if return_lse.
     """
     check_bool("return_lse", return_lse)
-    if torch.is_grad_enabled():
-        refuse_gradients(q=q, k_cache=k_cache, v_cache=v_cache, sinks=sinks)
     signature = None
     if cache_seqlens is not None and alibi_slopes is None and not torch.compiler.is_compiling():
         tensors = (q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_leftpad)
         signature = call_signature("decode", tensors, window, (scale, num_splits, validate, softcap, backend))
         known = known_call(signature)
         if known is not None:
+            if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
+                                            or (sinks is not None and sinks.requires_grad)):
+                refuse_gradients(q=q, k_cache=k_cache, v_cache=v_cache, sinks=sinks)
             out, lse = run_kept(signature, known, *tensors, validate)
             return (out, lse.to(torch.float32)) if return_lse else out
     problem = make_decode_problem(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, validate,
                                   window, softcap, alibi_slopes, sinks, cache_leftpad)
+    if torch.is_grad_enabled():
+        refuse_gradients(q=q, k_cache=k_cache, v_cache=v_cache, sinks=sinks)
     name = choose_decode_backend(problem, backend)
     if name == "triton" and q.numel() > 0:
         remember(signature, ((problem.scale, problem.num_splits, problem.window_left, problem.softcap), None, None))
