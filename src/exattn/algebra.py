@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from .problem import check_float_tensor
+
 NEG_INF = float("-inf")
 LOG2_E = 1.4426950408889634
 
@@ -234,19 +236,6 @@ def as_summary(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> Bloc
 
 # ---------------------------------------------------------------- checks of the public functions' arguments
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def float_tensor(name: str, x: object, min_dims: int = 0) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
-    if x.dim() < min_dims:
-        raise ValueError(f"{name} must have at least {min_dims} dims, got shape {tuple(x.shape)}")
-    return x
-
-
 def same_device(**tensors: torch.Tensor) -> None:
     (first_name, first), *rest = tensors.items()
     for name, x in rest:
@@ -276,7 +265,7 @@ def check_broadcast(**tensors: torch.Tensor) -> None:
 def check_block(scores: object, values: object, numerator_weights: object) -> None:
     """`summarize`'s arguments: scores (..., n); values (..., n, Dv) per score row or shared by the rows of
     scores' second-to-last axis; numerator_weights broadcasting to scores."""
-    scores, values = float_tensor("scores", scores, 1), float_tensor("values", values, 2)
+    scores, values = check_float_tensor("scores", scores, 1), check_float_tensor("values", values, 2)
     same_device(scores=scores, values=values)
     if values.shape[-2] != scores.shape[-1]:
         raise ValueError(f"values has {values.shape[-2]} keys (dim -2) but scores has {scores.shape[-1]} (dim -1)")
@@ -288,7 +277,7 @@ def check_block(scores: object, values: object, numerator_weights: object) -> No
     else:
         broadcasts_to("values' leading dims", values.shape[:-2], scores.shape[:-2], "the scores' batch dims")
     if numerator_weights is not None:
-        weights = float_tensor("numerator_weights", numerator_weights)
+        weights = check_float_tensor("numerator_weights", numerator_weights)
         same_device(scores=scores, numerator_weights=weights)
         broadcasts_to("numerator_weights' dims", weights.shape, scores.shape, "those of scores")
 
@@ -297,7 +286,7 @@ def check_summary(name: str, s: object) -> BlockSummary:
     """A `BlockSummary` (or any (m, l, u) triple): m and l (...,), u (..., Dv), on one device."""
     if not isinstance(s, tuple) or len(s) != 3:
         raise TypeError(f"{name} must be a BlockSummary (m, l, u), got {type(s).__name__}")
-    m, l, u = (float_tensor(f"{name}.{field}", x, dims) for field, x, dims in zip("mlu", s, (0, 0, 1)))  # noqa: E741
+    m, l, u = (check_float_tensor(f"{name}.{field}", x, dims) for field, x, dims in zip("mlu", s, (0, 0, 1)))  # noqa: E741
     if l.shape != m.shape or u.shape[:-1] != m.shape:
         raise ValueError(f"{name}: m {tuple(m.shape)}, l {tuple(l.shape)} and u {tuple(u.shape)} must be "
                          "(...,), (...,) and (..., Dv) over the same rows")
@@ -307,7 +296,7 @@ def check_summary(name: str, s: object) -> BlockSummary:
 
 def check_state(out_name: str, out: object, lse_name: str, lse: object) -> None:
     """A normalized state: out (..., Dv) and lse (...,) over the same rows, on one device."""
-    out, lse = float_tensor(out_name, out, 1), float_tensor(lse_name, lse)
+    out, lse = check_float_tensor(out_name, out, 1), check_float_tensor(lse_name, lse)
     if lse.shape != out.shape[:-1]:
         raise ValueError(f"{lse_name} has shape {tuple(lse.shape)} but {out_name} {tuple(out.shape)} needs "
                          f"{tuple(out.shape[:-1])} (its rows)")

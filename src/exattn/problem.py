@@ -183,13 +183,21 @@ def check_accumulators(accumulate_into: object, q: torch.Tensor, k: torch.Tensor
     return tuple(accumulate_into)
 
 
-def check_tensor(name: str, x: object, ndim: int, layout: str = "(batch, heads, seq, dim)") -> torch.Tensor:
+def check_float_tensor(name: str, x: object, min_dims: int = 0) -> torch.Tensor:
+    """x if it is a float16/bfloat16/float32/float64 tensor of at least `min_dims` dims."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}"
         )
+    if x.dim() < min_dims:
+        raise ValueError(f"{name} must have at least {min_dims} dims, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_tensor(name: str, x: object, ndim: int, layout: str = "(batch, heads, seq, dim)") -> torch.Tensor:
+    check_float_tensor(name, x)
     if x.dim() != ndim:
         raise ValueError(
             f"{name} must have {ndim} dims {layout}, got shape {tuple(x.shape)}"
