@@ -234,6 +234,10 @@ ALGEBRA_BAD = [
      ValueError, "do not broadcast together"),
     ("lse of other rows", lambda: merge_states(torch.ones(3, 2), torch.ones(4), torch.ones(3, 2), torch.ones(3)),
      ValueError, "lse_a has shape (4,) but out_a (3, 2) needs (3,)"),
+    ("lse on another device", lambda: merge_states(torch.ones(3, 2), torch.ones(3, device="meta"), torch.ones(3, 2),
+                                                   torch.ones(3)), ValueError, "lse_a is on meta but out_a is on cpu"),
+    ("weights on another device", lambda: summarize(torch.ones(4, 2), torch.ones(2, 3), torch.ones(4, 2, device="meta")),
+     ValueError, "numerator_weights is on meta but scores is on cpu"),
 ]
 
 

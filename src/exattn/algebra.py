@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from .problem import check_float_tensor
+from .problem import check_float_tensor, check_same_device
 
 NEG_INF = float("-inf")
 LOG2_E = 1.4426950408889634
@@ -108,6 +108,11 @@ def merge(a: BlockSummary, b: BlockSummary) -> BlockSummary:
     """
     a, b = check_summary("a", a), check_summary("b", b)
     check_broadcast(a=a.u, b=b.u)
+    return merged(a, b)
+
+
+def merged(a: BlockSummary, b: BlockSummary) -> BlockSummary:
+    """`merge` of summaries already checked."""
     dtype = torch.promote_types(a.u.dtype, b.u.dtype)
     rows = torch.broadcast_shapes(a.m.shape, b.m.shape)
     values = torch.broadcast_shapes(a.u.shape, b.u.shape)
@@ -180,7 +185,11 @@ def add_weighted_values_(numerator: torch.Tensor, weights: torch.Tensor, values:
 
 def finalize(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)` = `(u / l, m + log l)`; a row with `l = 0` gives zeros and -inf."""
-    s = check_summary("s", s)
+    return finalized(check_summary("s", s))
+
+
+def finalized(s: BlockSummary) -> tuple[torch.Tensor, torch.Tensor]:
+    """`finalize` of a summary already checked."""
     m = s.m.to(torch.promote_types(s.m.dtype, s.l.dtype), copy=True)
     u = s.u.to(torch.promote_types(s.u.dtype, s.l.dtype), copy=True)
     return finalize_(BlockSummary(m, s.l, u))
@@ -210,7 +219,7 @@ def merge_states(
         check_state(f"out_{side}", out, f"lse_{side}", lse)
     check_broadcast(out_a=out_a, out_b=out_b)
     acc = torch.float64 if torch.float64 in (out_a.dtype, lse_a.dtype) else torch.float32
-    out, lse = finalize(merge(as_summary(out_a, lse_a, acc), as_summary(out_b, lse_b, acc)))
+    out, lse = finalized(merged(as_summary(out_a, lse_a, acc), as_summary(out_b, lse_b, acc)))
     return out.to(out_a.dtype), lse
 
 
@@ -236,13 +245,6 @@ def as_summary(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> Bloc
 
 # ---------------------------------------------------------------- checks of the public functions' arguments
 
-def same_device(**tensors: torch.Tensor) -> None:
-    (first_name, first), *rest = tensors.items()
-    for name, x in rest:
-        if x.device != first.device:
-            raise ValueError(f"{name} is on {x.device} but {first_name} is on {first.device}; they must share one")
-
-
 def broadcasts_to(name: str, shape: tuple[int, ...], target: tuple[int, ...], what: str) -> None:
     try:
         fits = torch.broadcast_shapes(shape, target) == torch.Size(target)
@@ -259,14 +261,14 @@ def check_broadcast(**tensors: torch.Tensor) -> None:
         torch.broadcast_shapes(a.shape, b.shape)
     except RuntimeError:
         raise ValueError(f"{a_name} {tuple(a.shape)} and {b_name} {tuple(b.shape)} do not broadcast together") from None
-    same_device(**tensors)
+    check_same_device(**tensors)
 
 
 def check_block(scores: object, values: object, numerator_weights: object) -> None:
     """`summarize`'s arguments: scores (..., n); values (..., n, Dv) per score row or shared by the rows of
     scores' second-to-last axis; numerator_weights broadcasting to scores."""
     scores, values = check_float_tensor("scores", scores, 1), check_float_tensor("values", values, 2)
-    same_device(scores=scores, values=values)
+    check_same_device(scores=scores, values=values)
     if values.shape[-2] != scores.shape[-1]:
         raise ValueError(f"values has {values.shape[-2]} keys (dim -2) but scores has {scores.shape[-1]} (dim -1)")
     if values.dim() == scores.dim() + 1:
@@ -278,7 +280,7 @@ def check_block(scores: object, values: object, numerator_weights: object) -> No
         broadcasts_to("values' leading dims", values.shape[:-2], scores.shape[:-2], "the scores' batch dims")
     if numerator_weights is not None:
         weights = check_float_tensor("numerator_weights", numerator_weights)
-        same_device(scores=scores, numerator_weights=weights)
+        check_same_device(scores=scores, numerator_weights=weights)
         broadcasts_to("numerator_weights' dims", weights.shape, scores.shape, "those of scores")
 
 
@@ -290,7 +292,7 @@ def check_summary(name: str, s: object) -> BlockSummary:
     if l.shape != m.shape or u.shape[:-1] != m.shape:
         raise ValueError(f"{name}: m {tuple(m.shape)}, l {tuple(l.shape)} and u {tuple(u.shape)} must be "
                          "(...,), (...,) and (..., Dv) over the same rows")
-    same_device(**{f"{name}.m": m, f"{name}.l": l, f"{name}.u": u})
+    check_same_device(**{f"{name}.m": m, f"{name}.l": l, f"{name}.u": u})
     return BlockSummary(m, l, u)
 
 
@@ -300,4 +302,4 @@ def check_state(out_name: str, out: object, lse_name: str, lse: object) -> None:
     if lse.shape != out.shape[:-1]:
         raise ValueError(f"{lse_name} has shape {tuple(lse.shape)} but {out_name} {tuple(out.shape)} needs "
                          f"{tuple(out.shape[:-1])} (its rows)")
-    same_device(**{out_name: out, lse_name: lse})
+    check_same_device(**{out_name: out, lse_name: lse})

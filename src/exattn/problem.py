@@ -213,6 +213,12 @@ def check_same_dtype_device(**tensors: torch.Tensor) -> None:
                 f"{name} has dtype {x.dtype} but {first_name} has {first.dtype}; "
                 "q, k and v must share one dtype"
             )
+    check_same_device(**tensors)
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    (first_name, first), *rest = tensors.items()
+    for name, x in rest:
         if x.device != first.device:
             raise ValueError(
                 f"{name} is on {x.device} but {first_name} is on {first.device}; "
